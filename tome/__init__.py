@@ -1,0 +1,61 @@
+"""Token Merging for Stable Diffusion: a drop-in for ``tomesd`` that is exact, reproducible and
+works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets.
+
+    import tome
+    tome.apply_patch(pipe, ratio=0.5)        # or an ldm/sgm model, or a bare UNet
+    print(tome.patch_report(pipe).summary())
+    tome.remove_patch(pipe)                  # outputs are bit-identical to never patched
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import ToMeConfig
+from .patch import PatchReport, UnsupportedModelError, find_unet, remove_tomesd, state_of
+from .patch import apply as _apply
+from .patch import remove as _remove
+
+__version__ = "0.1.0"
+__all__ = ["ToMeConfig", "PatchReport", "UnsupportedModelError", "apply_patch", "remove_patch",
+           "is_patched", "patch_report", "find_unet", "remove_tomesd", "__version__"]
+
+
+def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = None, sx: int = 2,
+                sy: int = 2, use_rand: bool = True, merge_attn: bool = True,
+                merge_crossattn: bool = False, merge_mlp: bool = False, *,
+                config: ToMeConfig | None = None, **extra: Any) -> Any:
+    """Patch ``model`` in place with Token Merging and return it (as ``tomesd.apply_patch``).
+
+    ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``),
+    or a bare ldm or diffusers UNet. ``max_downsample=None`` picks the highest-resolution level
+    that has transformer blocks (1 on SD1/SD2, 2 on SDXL, which has none at full resolution).
+    Extra keywords are other ``ToMeConfig`` fields: ``seed``, ``method`` ("merge" or
+    "downsample"), ``downsample_factor``, ``matching``, ``start``, ``end``. Pass ``config`` to
+    use a prepared ``ToMeConfig`` instead of keywords.
+
+    Patching again replaces the previous patch (ours or tomesd's). Bad settings raise
+    ``ValueError`` and an unsupported model ``UnsupportedModelError`` before anything changes.
+    """
+    if config is None:
+        config = ToMeConfig(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy,
+                            use_rand=use_rand, merge_attn=merge_attn,
+                            merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, **extra)
+    elif extra:
+        config = config.replace(**extra)
+    return _apply(model, config)
+
+
+def remove_patch(model: Any) -> Any:
+    """Remove the patch; the model's outputs are then bit-identical to the unpatched model."""
+    return _remove(model)
+
+
+def is_patched(model: Any) -> bool:
+    return state_of(model) is not None
+
+
+def patch_report(model: Any) -> PatchReport | None:
+    """What the current patch covers (family, blocks per level, skipped blocks), or None."""
+    state = state_of(model)
+    return None if state is None else state.report

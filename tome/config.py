@@ -1,0 +1,211 @@
+"""One configuration object for every host: library, WebUI controls, API, infotext and XYZ.
+
+Each field carries its own metadata (label, infotext key, range, help text), so the UI,
+the API parser and the infotext writer are all generated from this one place and cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("merge", "downsample")
+MATCHINGS = ("global", "local")
+MAX_DOWNSAMPLES = (1, 2, 4, 8)
+# "auto" in the UI / API; None in the library.
+AUTO = "auto"
+
+
+def _meta(label: str, infotext: str, help: str, **kw: Any) -> dict[str, Any]:
+    return {"label": label, "infotext": infotext, "help": help, **kw}
+
+
+@dataclass(frozen=True)
+class ToMeConfig:
+    """Validated settings of one patch. Invalid values raise ``ValueError`` at construction."""
+
+    ratio: float = field(default=0.5, metadata=_meta(
+        "Ratio", "ToMe ratio",
+        "Fraction of tokens merged in each patched block. Higher is faster and changes the image "
+        "more; the maximum is 1 - 1/(sx*sy) (0.75 for a 2x2 stride).", minimum=0.0, step=0.01))
+    max_downsample: int | None = field(default=None, metadata=_meta(
+        "Max downsample", "ToMe max downsample",
+        "Deepest UNet level merged (1 = full resolution only, 2, 4, 8). Auto picks the "
+        "highest-resolution level that has transformer blocks: 1 on SD1/SD2, 2 on SDXL.",
+        choices=(AUTO, "1", "2", "4", "8")))
+    sx: int = field(default=2, metadata=_meta(
+        "Stride x", "ToMe stride x",
+        "Width of the cell that keeps one destination token. Larger allows more merging but "
+        "coarser.", minimum=1, maximum=8, step=1))
+    sy: int = field(default=2, metadata=_meta(
+        "Stride y", "ToMe stride y",
+        "Height of the cell that keeps one destination token.", minimum=1, maximum=8, step=1))
+    use_rand: bool = field(default=True, metadata=_meta(
+        "Random destinations", "ToMe random",
+        "Pick the destination in each cell at random (seeded) instead of top-left. Random "
+        "avoids grid artifacts at high ratios."))
+    merge_attn: bool = field(default=True, metadata=_meta(
+        "Merge self-attention", "ToMe merge attn",
+        "Merge before self-attention: almost all of the speed-up."))
+    merge_crossattn: bool = field(default=False, metadata=_meta(
+        "Merge cross-attention", "ToMe merge crossattn",
+        "Also merge before cross-attention: little speed-up, some quality loss."))
+    merge_mlp: bool = field(default=False, metadata=_meta(
+        "Merge MLP", "ToMe merge mlp",
+        "Also merge before the feed-forward layer: little speed-up, large quality loss."))
+    method: str = field(default="merge", metadata=_meta(
+        "Method", "ToMe method",
+        "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every "
+        "token, keys and values are pooled by the downsample factor; no unmerge).",
+        choices=METHODS))
+    downsample_factor: int = field(default=2, metadata=_meta(
+        "Downsample factor", "ToMe downsample factor",
+        "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
+        minimum=1, maximum=8, step=1))
+    matching: str = field(default="global", metadata=_meta(
+        "Matching", "ToMe matching",
+        "global: every source may merge into any destination (as tomesd). local: only into "
+        "nearby destinations; much faster and leaner on large images.", choices=MATCHINGS))
+    start: float = field(default=0.0, metadata=_meta(
+        "Start", "ToMe start",
+        "Merge from this point of the denoising process (0 = first, noisiest step).",
+        minimum=0.0, maximum=1.0, step=0.01))
+    end: float = field(default=1.0, metadata=_meta(
+        "End", "ToMe end",
+        "Merge until this point of the denoising process (1 = last step).",
+        minimum=0.0, maximum=1.0, step=0.01))
+    seed: int = field(default=0, metadata=_meta(
+        "Seed", "ToMe seed",
+        "Seed of the random destination choice. The WebUI uses the image seed."))
+
+    def __post_init__(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"ToMe: invalid {name}={getattr(self, name)!r}: {msg}")
+
+        for name in ("sx", "sy", "downsample_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                fail(name, "must be a positive integer")
+        if self.sx * self.sy < 2 and self.method == "merge" and self.ratio > 0:
+            fail("sx", "stride 1x1 leaves no source tokens to merge; use sx*sy >= 2")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
+                or not math.isfinite(self.ratio):
+            fail("ratio", "must be a number")
+        if not 0.0 <= self.ratio <= self.max_ratio + 1e-9:
+            fail("ratio", f"must be in [0, {self.max_ratio:g}] for a {self.sx}x{self.sy} stride "
+                 f"(1 - 1/(sx*sy))")
+        if self.max_downsample is not None and self.max_downsample not in MAX_DOWNSAMPLES:
+            fail("max_downsample", f"must be one of {MAX_DOWNSAMPLES} or None (auto)")
+        if self.method not in METHODS:
+            fail("method", f"must be one of {METHODS}")
+        if self.matching not in MATCHINGS:
+            fail("matching", f"must be one of {MATCHINGS}")
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                fail(name, "must be a number in [0, 1]")
+        if self.start > self.end:
+            fail("start", f"must not be after end={self.end}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            fail("seed", "must be an integer")
+
+    @property
+    def max_ratio(self) -> float:
+        """The real maximum: every cell keeps one destination, so at most 1 - 1/(sx*sy) merge."""
+        return 1.0 - 1.0 / (self.sx * self.sy)
+
+    @property
+    def active(self) -> bool:
+        """False when the settings cannot change the model's output."""
+        if self.start >= self.end:
+            return False
+        if self.method == "downsample":
+            return self.downsample_factor > 1
+        return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
+
+    def replace(self, **changes: Any) -> ToMeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: ToMeConfig | None = None) -> ToMeConfig:
+        """Build from loosely typed values (API JSON, infotext strings, gradio numbers).
+
+        Unknown keys raise, so a typo in an API request is reported instead of ignored; missing
+        keys keep ``base``'s values (the defaults when ``base`` is None).
+        """
+        base = base or cls()
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"ToMe: unknown setting(s) {unknown}; known: {sorted(known)}")
+        values = {k: coerce(known[k], v) for k, v in data.items()}
+        return dataclasses.replace(base, **values)
+
+
+def coerce(f: dataclasses.Field, value: Any) -> Any:
+    """Coerce one loosely typed value to the field's type, with an error naming the field."""
+    name, default = f.name, f.default
+    try:
+        if name == "max_downsample":
+            if value is None or (isinstance(value, str) and value.strip().lower() in (AUTO, "")):
+                return None
+            return _to_int(value)
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low in ("true", "1", "yes", "on"):
+                    return True
+                if low in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if isinstance(value, (int, float)) and value in (0, 1):
+                return bool(value)
+            return value
+        if isinstance(default, int):
+            return _to_int(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if isinstance(default, str):
+            return str(value).strip().lower()
+    except (TypeError, ValueError):
+        raise ValueError(f"ToMe: invalid {name}={value!r}: expected {describe(f)}") from None
+    return value
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, float) or isinstance(value, str):
+        x = float(value)
+        if not x.is_integer():
+            raise ValueError
+        return int(x)
+    return int(value)
+
+
+def describe(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if "choices" in m:
+        return "one of " + ", ".join(map(str, m["choices"]))
+    if isinstance(f.default, bool):
+        return "true or false"
+    if "minimum" in m:
+        hi = m.get("maximum", "max")
+        kind = "an integer" if isinstance(f.default, int) else "a number"
+        return f"{kind} in [{m['minimum']}, {hi}]"
+    return type(f.default).__name__
+
+
+def fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(ToMeConfig)

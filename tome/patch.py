@@ -1,0 +1,452 @@
+"""Patching UNets: forward hooks around each transformer block's sub-layers.
+
+One mechanism serves ldm (SD1/SD2), sgm (SDXL) and diffusers: the block's input is caught by
+a pre-hook on the block, and the sub-layers (``attn1``, ``attn2``, ``ff``) get pre-hooks that
+merge their input and hooks that unmerge their output. Nothing about the block's own forward
+is copied or replaced, so new block features in diffusers, attention-kernel swaps in the
+WebUI (which replace ``CrossAttention.forward`` at class level) and ``_forward`` overrides all
+keep working, and removal is exact: the hooks go, one attribute on the UNet goes, and no
+class or weight was ever touched.
+
+Per UNet call a pre-hook on the UNet records the latent size and the timestep. The random
+destination choice is a pure function of ``(seed, timestep, grid)``, so cond and uncond halves
+get the same partition even when a host runs them in separate calls (which is what made
+tomesd's odd batches produce artifacts), and the global RNG is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import merge
+from .config import ToMeConfig
+
+log = logging.getLogger("tome")
+
+STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
+BLOCK_CLASS = "BasicTransformerBlock"
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+class UnsupportedModelError(TypeError):
+    """The object is not a model this library can patch."""
+
+
+@dataclass
+class PatchReport:
+    """What a patch did: a short, printable account for users and tests."""
+
+    family: str
+    config: ToMeConfig
+    max_downsample: int
+    levels: dict[int, int] = field(default_factory=dict)   # downsample -> blocks patched
+    total_blocks: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (block name, reason)
+    replaced_tomesd: bool = False
+    # Filled in while running: downsample -> (tokens, tokens removed) of the latest call.
+    tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def patched_blocks(self) -> int:
+        return sum(self.levels.values())
+
+    def summary(self) -> str:
+        c = self.config
+        what = (f"merge ratio {c.ratio:g}" if c.method == "merge"
+                else f"downsample x{c.downsample_factor}")
+        levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
+        text = (f"ToMe: {self.family} UNet, {what} at downsample <= {self.max_downsample}: "
+                f"{self.patched_blocks}/{self.total_blocks} blocks patched ({levels})")
+        if c.start > 0 or c.end < 1:
+            text += f", steps {c.start:g}-{c.end:g}"
+        if self.skipped:
+            text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
+        return text
+
+
+class _Call:
+    """Per-UNet-call context: latent size, timestep, and partitions shared by the blocks."""
+
+    def __init__(self, size: tuple[int, int], timestep: float | None, active: bool):
+        self.size, self.timestep, self.active = size, timestep, active
+        self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class _State:
+    def __init__(self, config: ToMeConfig, report: PatchReport):
+        self.config, self.report = config, report
+        self.handles: list[Any] = []
+        self.call: _Call | None = None
+        self.calls = 0
+        self.warned: set[str] = set()
+        self.cpu_partitions: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(block) -> the plan for the block's current call: a merge.Plan, or (h, w) for
+        # the downsample method. Kept here, not on the blocks, so removal leaves nothing behind.
+        self.plans: dict[int, Any] = {}
+
+    def warn_once(self, msg: str) -> None:
+        if msg not in self.warned:
+            self.warned.add(msg)
+            warnings.warn(msg, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- finding things
+
+def find_unet(model: Any) -> nn.Module:
+    """The UNet of an ldm/sgm model, a diffusers pipeline, or a bare UNet."""
+    for path in ("unet", "model.diffusion_model", "diffusion_model"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, nn.Module):
+            return obj
+    if isinstance(model, nn.Module) and (hasattr(model, "input_blocks")
+                                         or hasattr(model, "down_blocks")):
+        return model
+    raise UnsupportedModelError(
+        f"ToMe: cannot find a UNet in {type(model).__module__}.{type(model).__name__}; expected "
+        "an ldm/sgm model (with .model.diffusion_model), a UNet (ldm UNetModel or diffusers "
+        "UNet2DConditionModel) or a diffusers pipeline (with .unet)")
+
+
+def _is_block(module: nn.Module) -> bool:
+    return any(cls.__name__ == BLOCK_CLASS for cls in type(module).__mro__)
+
+
+def _family(module: nn.Module) -> str:
+    root = type(module).__module__.split(".")[0]
+    return root if root in ("ldm", "sgm", "diffusers") else root or "unknown"
+
+
+def block_levels(unet: nn.Module) -> dict[nn.Module, int]:
+    """The downsample level of every transformer block, read from the UNet's structure.
+
+    ldm/sgm: walk ``input_blocks`` / ``middle_block`` / ``output_blocks`` counting Downsample
+    and Upsample layers. diffusers: level ``2**i`` for ``down_blocks[i]``, mirrored for
+    ``up_blocks``. Anything else: level unknown (0); the runtime still decides per token count.
+    """
+    levels: dict[nn.Module, int] = {}
+
+    def mark(part: nn.Module, ds: int) -> None:
+        for m in part.modules():
+            if _is_block(m):
+                levels.setdefault(m, ds)
+
+    def has(part: nn.Module, name: str) -> bool:
+        return any(type(m).__name__ == name for m in part.modules())
+
+    if hasattr(unet, "input_blocks") and hasattr(unet, "output_blocks"):
+        ds = 1
+        for part in unet.input_blocks:
+            if has(part, "Downsample"):
+                ds *= 2
+            mark(part, ds)
+        mark(unet.middle_block, ds)
+        for part in unet.output_blocks:
+            mark(part, ds)
+            if has(part, "Upsample"):
+                ds //= 2
+    elif hasattr(unet, "down_blocks") and hasattr(unet, "up_blocks"):
+        n = len(unet.down_blocks)
+        for i, part in enumerate(unet.down_blocks):
+            mark(part, 2 ** i)
+        if getattr(unet, "mid_block", None) is not None:
+            mark(unet.mid_block, 2 ** (n - 1))
+        for i, part in enumerate(unet.up_blocks):
+            mark(part, 2 ** (n - 1 - i))
+    for m in unet.modules():
+        if _is_block(m):
+            levels.setdefault(m, 0)
+    return levels
+
+
+def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
+    """Why a block cannot be patched safely, or None."""
+    if "_forward" in vars(block) or "forward" in vars(block):
+        return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
+    if type(block).__name__ == "ToMeBlock":
+        return "patched by tomesd"
+    missing = [n for n in ("attn1", "attn2", "ff") if not isinstance(getattr(block, n, None),
+                                                                   nn.Module)]
+    if missing:
+        return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
+    if config.method == "downsample" and (getattr(block, "disable_self_attn", False)
+                                          or getattr(block, "only_cross_attention", False)):
+        return "attn1 is a cross-attention; downsampling its keys would drop the context"
+    if config.merge_mlp and getattr(block, "_chunk_size", None):
+        return "feed-forward chunking is on; merging the MLP input would mix chunks"
+    return None
+
+
+# ----------------------------------------------------------------------------- tomesd
+
+def remove_tomesd(model: Any) -> bool:
+    """Undo a tomesd patch in place (what ``tomesd.remove_patch`` does), without importing it."""
+    root = model if isinstance(model, nn.Module) else find_unet(model)
+    found = False
+    for m in root.modules():
+        info = vars(m).get("_tome_info")
+        if info is not None:
+            for h in info.get("hooks", []):
+                h.remove()
+            info["hooks"] = []
+            found = True
+        if type(m).__name__ == "ToMeBlock" and hasattr(m, "_parent"):
+            m.__class__ = m._parent
+            found = True
+    return found
+
+
+def _tomesd_patched(unet: nn.Module) -> bool:
+    """tomesd swaps block classes and adds a hook; its remove_patch leaves ``_tome_info`` behind,
+    so only a live class swap or live hooks count."""
+    return any(type(m).__name__ == "ToMeBlock" or vars(m).get("_tome_info", {}).get("hooks")
+               for m in unet.modules())
+
+
+# ----------------------------------------------------------------------------- hooks
+
+def _mix(*parts: int) -> int:
+    """A stable 63-bit hash (splitmix64), identical in every process, unlike ``hash()``."""
+    z = 0x9E3779B97F4A7C15
+    for p in parts:
+        z = (z ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        z ^= z >> 31
+    return z & 0x7FFFFFFFFFFFFFFF
+
+
+def _first(args: tuple, kwargs: dict, names: tuple[str, ...], pos: int) -> Any:
+    if len(args) > pos:
+        return args[pos]
+    for n in names:
+        if n in kwargs:
+            return kwargs[n]
+    return None
+
+
+def _set_first(args: tuple, kwargs: dict, names: tuple[str, ...], value: Any):
+    if args:
+        return (value, *args[1:]), kwargs
+    for n in names:
+        if n in kwargs:
+            return args, {**kwargs, n: value}
+    raise RuntimeError("ToMe: could not find the hidden states argument")
+
+
+_X_NAMES = ("x", "hidden_states", "sample")
+_T_NAMES = ("timesteps", "timestep", "t")
+
+
+class _Hooks:
+    """The hook functions for one patched UNet, closing over its state."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    # UNet ---------------------------------------------------------------
+    def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        st, c = self.state, self.state.config
+        x = _first(args, kwargs, _X_NAMES, 0)
+        t = _first(args, kwargs, _T_NAMES, 1)
+        timestep = None
+        if isinstance(t, torch.Tensor) and t.numel():
+            timestep = float(t.reshape(-1)[0])
+        elif isinstance(t, (int, float)):
+            timestep = float(t)
+        active = True
+        if timestep is not None and (c.start > 0 or c.end < 1):
+            progress = 1.0 - timestep / NUM_TRAIN_TIMESTEPS
+            active = c.start <= progress <= c.end
+        st.calls += 1
+        st.call = _Call(tuple(x.shape[-2:]), timestep, active) if x is not None else None
+
+    def unet_post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        self.state.call = None
+
+    # Block --------------------------------------------------------------
+    def block_pre(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        st, c = self.state, self.state.config
+        st.plans.pop(id(block), None)
+        call = st.call
+        if call is None or not call.active:
+            return
+        if type(block).__name__ == "ToMeBlock":  # tomesd re-patched it behind our back
+            st.warn_once("ToMe: a block was patched by tomesd after ours; skipping it so it is "
+                         "never merged twice")
+            return
+        x = _first(args, kwargs, _X_NAMES, 0)
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return
+        H, W = call.size
+        ds, h, w = merge.grid_size(x.shape[1], H, W)
+        if ds > st.report.max_downsample or h * w != x.shape[1]:
+            return
+        if c.method == "downsample":
+            st.plans[id(block)] = (h, w)
+            st.report.tokens[ds] = (x.shape[1], x.shape[1] - x.shape[1]
+                                    // c.downsample_factor ** 2)
+            return
+        r = int(x.shape[1] * c.ratio)
+        if r <= 0:
+            return
+        src_idx, dst_idx = self._partition(call, h, w, x.device)
+        plan = merge.Plan(x, src_idx, dst_idx, r)
+        st.report.tokens[ds] = (x.shape[1], plan.r)
+        st.plans[id(block)] = plan
+
+    def block_post(self, block: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        self.state.plans.pop(id(block), None)
+
+    def _partition(self, call: _Call, h: int, w: int, device: torch.device):
+        """Shared by every block at this grid size in this call."""
+        key = (h, w)
+        if key not in call.partitions:
+            c = self.state.config
+            if c.use_rand:
+                t = -1 if call.timestep is None else round(call.timestep * 1000)
+                salt = self.state.calls if call.timestep is None else 0
+                g = torch.Generator().manual_seed(_mix(c.seed, t, salt, h, w, c.sx, c.sy))
+                cells = merge.random_cells(h, w, c.sx, c.sy, g)
+                call.partitions[key] = merge.partition(h, w, c.sx, c.sy, cells, device)
+            else:  # deterministic: reuse across calls
+                ck = (h, w, str(device))
+                if ck not in self.state.cpu_partitions:
+                    self.state.cpu_partitions[ck] = merge.partition(h, w, c.sx, c.sy, None,
+                                                                    device)
+                call.partitions[key] = self.state.cpu_partitions[ck]
+        return call.partitions[key]
+
+    # Sub-layers ---------------------------------------------------------
+    def sub_pre(self, block: nn.Module, downsample_kv: bool):
+        key = id(block)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            plan = self.state.plans.get(key)
+            if plan is None:
+                return None
+            hidden = _first(args, kwargs, _X_NAMES, 0)
+            if isinstance(plan, tuple):  # (h, w) of the downsample method: pool keys/values
+                if not downsample_kv:
+                    return None
+                h, w = plan
+                kv = merge.downsample_tokens(hidden, h, w, self.state.config.downsample_factor)
+                name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
+                return args, {**kwargs, name: kv}
+            return _set_first(args, kwargs, _X_NAMES, plan.merge(hidden))
+        return hook
+
+    def sub_post(self, block: nn.Module):
+        key = id(block)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any):
+            plan = self.state.plans.get(key)
+            if plan is None or isinstance(plan, tuple):
+                return None
+            if isinstance(out, tuple):  # some attention processors return (hidden, extra)
+                return (plan.unmerge(out[0]), *out[1:])
+            return plan.unmerge(out)
+        return hook
+
+
+# ----------------------------------------------------------------------------- public API
+
+def apply(model: Any, config: ToMeConfig) -> Any:
+    """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was."""
+    unet = find_unet(model)
+    blocks = [m for m in unet.modules() if _is_block(m)]
+    if not blocks:
+        raise UnsupportedModelError(
+            f"ToMe: {type(unet).__name__} has no {BLOCK_CLASS}; SD3/MMDiT, Flux and compiled or "
+            "replaced UNets (e.g. TensorRT) are not supported")
+    remove(unet)
+    replaced = False
+    if _tomesd_patched(unet):
+        remove_tomesd(unet)
+        replaced = True
+        warnings.warn("ToMe: the model was patched by tomesd (e.g. the WebUI's built-in token "
+                      "merging); that patch was removed so tokens are never merged twice",
+                      stacklevel=3)
+    levels = block_levels(unet)
+    known = sorted({d for d in levels.values() if d > 0})
+    max_ds = config.max_downsample if config.max_downsample is not None else (
+        known[0] if known else 1)
+    report = PatchReport(family=_family(blocks[0]), config=config, max_downsample=max_ds,
+                         total_blocks=len(blocks), replaced_tomesd=replaced)
+    targets = []
+    for i, b in enumerate(blocks):
+        problem = _block_problem(b, config)
+        name = next((n for n, m in unet.named_modules() if m is b), f"block{i}")
+        if problem:
+            report.skipped.append((name, problem))
+            continue
+        ds = levels.get(b, 0)
+        if ds == 0 or ds <= max_ds:
+            targets.append(b)
+            if ds:
+                report.levels[ds] = report.levels.get(ds, 0) + 1
+    if report.skipped:
+        log.warning("ToMe: skipped %d block(s): %s", len(report.skipped), report.skipped[0][1])
+    if config.max_downsample is not None and known and not report.levels:
+        warnings.warn(f"ToMe: max_downsample={config.max_downsample} merges nothing on this "
+                      f"model (its transformer blocks are at downsample {known}); use "
+                      f"max_downsample=None (auto) or >= {known[0]}", stacklevel=3)
+
+    state = _State(config, report)
+    hooks = _Hooks(state)
+    try:
+        h = state.handles
+        h.append(unet.register_forward_pre_hook(hooks.unet_pre, with_kwargs=True))
+        h.append(unet.register_forward_hook(hooks.unet_post, with_kwargs=True))
+        merge_sub = {"attn1": config.merge_attn, "attn2": config.merge_crossattn,
+                     "ff": config.merge_mlp}
+        for b in targets:
+            h.append(b.register_forward_pre_hook(hooks.block_pre, with_kwargs=True))
+            h.append(b.register_forward_hook(hooks.block_post, with_kwargs=True))
+            for name, on in merge_sub.items():
+                sub = getattr(b, name)
+                if config.method == "downsample":
+                    if name == "attn1":
+                        h.append(sub.register_forward_pre_hook(hooks.sub_pre(b, True),
+                                                               with_kwargs=True))
+                elif on:
+                    h.append(sub.register_forward_pre_hook(hooks.sub_pre(b, False),
+                                                           with_kwargs=True))
+                    h.append(sub.register_forward_hook(hooks.sub_post(b), with_kwargs=True))
+        setattr(unet, STATE_ATTR, state)
+    except BaseException:
+        for handle in state.handles:
+            handle.remove()
+        vars(unet).pop(STATE_ATTR, None)
+        raise
+    return model
+
+
+def remove(model: Any) -> Any:
+    """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone."""
+    unet = model if isinstance(model, nn.Module) and hasattr(model, STATE_ATTR) \
+        else find_unet(model)
+    state = vars(unet).pop(STATE_ATTR, None)
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+    return model
+
+
+def state_of(model: Any) -> _State | None:
+    try:
+        unet = find_unet(model) if not hasattr(model, STATE_ATTR) else model
+    except UnsupportedModelError:
+        return None
+    return getattr(unet, STATE_ATTR, None)
+
+
+def level_of(tokens: int, size: tuple[int, int]) -> int:
+    return int(math.ceil(math.sqrt(size[0] * size[1] // tokens)))
