@@ -298,7 +298,7 @@ class _Hooks:
         if r <= 0:
             return
         src_idx, dst_idx = self._partition(call, h, w, x.device)
-        plan = merge.Plan(x, src_idx, dst_idx, r)
+        plan = merge.Plan(x, src_idx, dst_idx, r, merge.matcher(c.matching, h, w, c.sx, c.sy))
         st.report.tokens[ds] = (x.shape[1], plan.r)
         st.plans[id(block)] = plan
 

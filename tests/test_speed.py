@@ -1,0 +1,159 @@
+"""Correctness of the speed work: matching, merge/unmerge, downsampling, the timestep window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tome import merge
+
+torch.set_num_threads(1)
+
+
+def _tomesd():
+    return pytest.importorskip("tomesd.merge")
+
+
+@pytest.mark.parametrize("h,w", [(16, 16), (13, 17), (32, 24)])
+@pytest.mark.parametrize("no_rand", [True, False])
+def test_global_matching_equals_tomesd(h, w, no_rand):
+    ref = _tomesd().bipartite_soft_matching_random2d
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, h * w, 64, generator=g), torch.randn(2, h * w, 64, generator=g)
+    r = h * w // 2
+    m1, u1 = ref(x, w, h, 2, 2, r, no_rand=no_rand, generator=torch.Generator().manual_seed(3))
+    m2, u2 = merge.bipartite_soft_matching_random2d(
+        x, w, h, 2, 2, r, no_rand=no_rand, generator=torch.Generator().manual_seed(3))
+    a, b = m1(y), m2(y)
+    assert a.shape == b.shape == (2, h * w - r, 64)
+    # Same merged set (row order of the reduced sequence may differ: attention does not care).
+    torch.testing.assert_close(a.sort(dim=1).values, b.sort(dim=1).values, rtol=0, atol=1e-6)
+    torch.testing.assert_close(u1(a * 2 + 1), u2(b * 2 + 1), rtol=0, atol=1e-6)
+
+
+def test_global_matching_chunked_equals_unchunked(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 24 * 24, 32, generator=g)
+    src, dst = merge.partition(24, 24, 2, 2)
+    whole = merge.global_match(x, src, dst)
+    monkeypatch.setattr(merge, "CHUNK_BYTES", 4096)  # many small chunks
+    chunked = merge.global_match(x, src, dst)
+    torch.testing.assert_close(whole[0], chunked[0], rtol=0, atol=1e-6)
+    assert torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize("h,w", [(4, 4), (5, 5), (5, 4), (4, 5)])
+def test_local_equals_global_when_every_destination_is_a_neighbour(h, w):
+    # With a 2 x 2 cell grid the 3 x 3 neighbourhood covers every destination.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, h * w, 16, generator=g)
+    src, dst = merge.partition(h, w, 2, 2, merge.random_cells(h, w, 2, 2, g))
+    gm, gi = merge.global_match(x, src, dst)
+    lm, li = merge.local_match(x, h, w, 2, 2, src, dst)
+    torch.testing.assert_close(gm, lm, rtol=0, atol=1e-5)
+    assert torch.equal(gi, li)
+
+
+@pytest.mark.parametrize("h,w,sx,sy", [(16, 16, 2, 2), (13, 17, 2, 2), (12, 18, 3, 2)])
+def test_local_matching_picks_the_best_neighbour(h, w, sx, sy, monkeypatch):
+    monkeypatch.setattr(merge, "CHUNK_BYTES", 8192)  # several row chunks
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, h * w, 8, generator=g)
+    src, dst = merge.partition(h, w, sx, sy, merge.random_cells(h, w, sx, sy, g))
+    lm, li = merge.local_match(x, h, w, sx, sy, src, dst)
+    hsy, wsx = h // sy, w // sx
+    xn = x / x.norm(dim=-1, keepdim=True)
+    for b in range(2):
+        for n, s in enumerate(src.tolist()):
+            ci, cj = min(s // w // sy, hsy - 1), min(s % w // sx, wsx - 1)
+            cand = [(ci + di) * wsx + cj + dj for di in (-1, 0, 1) for dj in (-1, 0, 1)
+                    if 0 <= ci + di < hsy and 0 <= cj + dj < wsx]
+            scores = xn[b, dst[cand]] @ xn[b, s]
+            best = int(scores.argmax())
+            assert abs(float(lm[b, n]) - float(scores[best])) < 1e-5
+            assert float(scores[cand.index(int(li[b, n]))]) >= float(scores[best]) - 1e-6
+
+
+def test_merge_unmerge_bookkeeping():
+    g = torch.Generator().manual_seed(5)
+    h = w = 8
+    x = torch.randn(2, h * w, 4, generator=g)
+    src, dst = merge.partition(h, w, 2, 2)
+    plan = merge.Plan(x, src, dst, 20)
+    m = plan.merge(x)
+    assert m.shape == (2, h * w - 20, 4)
+    # Means are preserved: the count-weighted sum of the merged tokens is the sum of x.
+    counts = torch.ones(2, m.shape[1], 1)
+    counts[:, plan.n_kept:] = plan.count
+    torch.testing.assert_close((m * counts).sum(1), x.sum(1), rtol=1e-5, atol=1e-5)
+    u = plan.unmerge(m)
+    kept = plan.kept_idx[0]
+    torch.testing.assert_close(u[0, kept], x[0, kept])
+    torch.testing.assert_close(plan.merge(x, "sum")[:, :plan.n_kept], m[:, :plan.n_kept])
+    amax = plan.merge(x, "amax")
+    assert amax.shape == m.shape
+
+
+@pytest.mark.parametrize("h,w,f", [(16, 16, 2), (16, 16, 4), (13, 17, 2), (12, 9, 3), (7, 7, 8)])
+def test_downsample_tokens_shapes_and_values(h, w, f):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, h * w, 5, generator=g)
+    y = merge.downsample_tokens(x, h, w, f)
+    size = (max(1, h // f), max(1, w // f))
+    assert y.shape == (2, size[0] * size[1], 5)
+    ref = torch.nn.functional.interpolate(x.transpose(1, 2).reshape(2, 5, h, w), size=size,
+                                          mode="nearest-exact").flatten(2).transpose(1, 2)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    avg = merge.downsample_tokens(x, h, w, f, mode="avg")
+    assert avg.shape == y.shape
+    assert merge.downsample_tokens(x, h, w, 1) is x
+
+
+# ----------------------------------------------------------------------------- patched UNets
+
+def _ldm():
+    pytest.importorskip("ldm")
+    from tests.models import ldm_inputs, ldm_unet
+    return ldm_unet(), ldm_inputs()
+
+
+def test_local_matching_runs_in_a_unet_and_changes_little():
+    import tome
+    unet, (x, t, ctx) = _ldm()
+    with torch.no_grad():
+        base = unet(x, t, context=ctx)
+        out = {}
+        for matching in ("global", "local"):
+            tome.apply_patch(unet, ratio=0.5, matching=matching, use_rand=False)
+            out[matching] = unet(x, t, context=ctx)
+            tome.remove_patch(unet)
+    dev = {k: float((v - base).norm() / base.norm()) for k, v in out.items()}
+    assert 0 < dev["local"] < 0.5 and 0 < dev["global"] < 0.5
+    assert not torch.equal(out["local"], out["global"]) or dev["local"] == dev["global"]
+
+
+def test_downsample_method_in_unet():
+    import tome
+    unet, (x, t, ctx) = _ldm()
+    with torch.no_grad():
+        base = unet(x, t, context=ctx)
+        tome.apply_patch(unet, method="downsample", downsample_factor=2)
+        out = unet(x, t, context=ctx)
+        assert tome.patch_report(unet).tokens[1] == (256, 256 - 64)
+        tome.remove_patch(unet)
+        assert torch.equal(unet(x, t, context=ctx), base)
+    assert out.shape == base.shape and not torch.equal(out, base)
+
+
+@pytest.mark.parametrize("method", ["merge", "downsample"])
+def test_timestep_window(method):
+    import tome
+    unet, (x, t, ctx) = _ldm()
+    with torch.no_grad():
+        base = unet(x, t, context=ctx)           # t = 500: progress 0.5
+        for (start, end), inside in {(0.0, 1.0): True, (0.4, 0.6): True, (0.0, 0.3): False,
+                                     (0.7, 1.0): False}.items():
+            tome.apply_patch(unet, method=method, start=start, end=end, use_rand=False)
+            out = unet(x, t, context=ctx)
+            tome.remove_patch(unet)
+            assert torch.equal(out, base) != inside, (start, end)
