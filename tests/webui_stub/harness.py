@@ -1,0 +1,167 @@
+"""Drives the real ``scripts/token_merging.py`` through the WebUI stand-in (see README.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import gradio as gr
+import torch
+import xyz_grid
+from modules import errors, processing, script_callbacks, scripts, sd_models, sd_unet, shared
+from modules.infotext_utils import parse_generation_parameters
+
+EXT_ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def tiny_model(kind: str = "sd1", seed: int = 0) -> torch.nn.Module:
+    """An ldm-style model object around a tiny random-weight UNet, flagged like the WebUI's."""
+    from models import TINY_SD15, TINY_SDXL, ldm_unet
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.diffusion_model = ldm_unet(TINY_SDXL if kind == "sdxl" else TINY_SD15, seed)
+    model.context_dim = 32
+    for flag in ("is_sd1", "is_sd2", "is_sdxl", "is_sd3"):
+        setattr(model, flag, flag == f"is_{kind}")
+    return model
+
+
+class WebUI:
+    """One WebUI process: scripts loaded, both tabs' UIs built with real gradio."""
+
+    def __init__(self, model: torch.nn.Module | None = None, **cmd_opts):
+        shared.reset()
+        sd_unet.current_unet = None
+        errors.reported.clear()
+        processing.unet_call_observers.clear()
+        for k, v in cmd_opts.items():
+            setattr(shared.cmd_opts, k, v)
+        self.start()
+        sd_models.load_model(model if model is not None else tiny_model())
+
+    def start(self) -> None:
+        xyz_grid.axis_options[1:] = []
+        xyz = scripts.ScriptClassData(xyz_grid.XYZScript, "xyz_grid.py", HERE, xyz_grid)
+        scripts.load_scripts([EXT_ROOT], extra=[xyz])
+        script_callbacks.ui_settings_callback()
+        script_callbacks.before_ui_callback()
+        self.runners = {}
+        with gr.Blocks():
+            for tab in ("txt2img", "img2img"):
+                runner = scripts.ScriptRunner()
+                runner.initialize_scripts(tab == "img2img")
+                runner.setup_ui()
+                self.runners[tab] = runner
+        self.api_defaults = {tab: self.default_args(tab) for tab in self.runners}
+
+    def reload_ui(self) -> None:
+        """Settings > Reload UI: unload callbacks, re-run the script files, rebuild."""
+        script_callbacks.script_unloaded_callback()
+        self.start()
+
+    def script(self, tab: str = "txt2img") -> scripts.Script:
+        return next(s for s in self.runners[tab].scripts if s.title() == "ToMe")
+
+    def default_args(self, tab: str) -> list:
+        """What the API does: call ui() again in a throwaway Blocks and read ``.value``s."""
+        runner = self.runners[tab]
+        args = [0] + [None] * (len(runner.inputs) - 1)
+        with gr.Blocks():
+            for s in runner.scripts:
+                args[s.args_from:s.args_to] = [c.value for c in s.ui(s.is_img2img)]
+        return args
+
+    # --- generations ------------------------------------------------------------------------
+    def make_p(self, tab: str, tome: list | dict | None = None, **fields):
+        cls = (processing.StableDiffusionProcessingImg2Img if tab == "img2img"
+               else processing.StableDiffusionProcessingTxt2Img)
+        p = cls(**fields)
+        args = list(self.api_defaults[tab])
+        if tome is not None:
+            s = self.script(tab)
+            values = [tome] if isinstance(tome, dict) else list(tome)
+            args[s.args_from:s.args_from + len(values)] = values
+        p.scripts = self.runners[tab]
+        p.script_args = args
+        return p
+
+    def generate(self, tab: str = "txt2img", tome=None, *, close: bool = True, **fields):
+        p = self.make_p(tab, tome, **fields)
+        ctx = contextlib.closing(p) if close else contextlib.nullcontext()
+        with ctx:
+            res = processing.process_images(p)
+        res.p = p
+        return res
+
+    def api(self, tab: str, payload: dict) -> dict:
+        """``POST /sdapi/v1/{tab}``: infotext, then alwayson_scripts, then process_images."""
+        runner = self.runners[tab]
+        args = list(self.api_defaults[tab])
+        fields = {k: v for k, v in payload.items()
+                  if k not in ("alwayson_scripts", "infotext")}
+        if payload.get("infotext"):
+            params = parse_generation_parameters(payload["infotext"])
+            index = {id(c): i for i, c in enumerate(runner.inputs)}
+            for comp, key in runner.infotext_fields:
+                value = key(params) if callable(key) else params.get(key)
+                if value is None or id(comp) not in index:
+                    continue
+                if not isinstance(value, type(comp.value)):
+                    value = type(comp.value)(value)
+                args[index[id(comp)]] = value
+        for title, spec in (payload.get("alwayson_scripts") or {}).items():
+            script = next((s for s in runner.scripts if s.title().lower() == title.lower()), None)
+            if script is None or not script.alwayson:
+                return {"status": 422, "detail": f"always on script {title} not found"}
+            values = spec.get("args", [])
+            for i in range(min(script.args_to - script.args_from, len(values))):
+                args[script.args_from + i] = values[i]
+        cls = (processing.StableDiffusionProcessingImg2Img if tab == "img2img"
+               else processing.StableDiffusionProcessingTxt2Img)
+        p = cls(**fields)
+        p.is_api = True
+        p.scripts = runner
+        p.script_args = args
+        try:
+            with contextlib.closing(p):
+                res = processing.process_images(p)
+        except Exception as e:  # noqa: BLE001 (the API's exception middleware)
+            return {"status": 500, "error": type(e).__name__, "errors": str(e)}
+        return {"status": 200, "images": res.images, "info": res.info,
+                "infotexts": res.infotexts, "p": p}
+
+    def paste(self, tab: str, text: str, current: list | None = None) -> list:
+        """Paste ``text`` into the prompt box (or PNG Info > Send to): the new script args."""
+        runner = self.runners[tab]
+        script = self.script(tab)
+        args = list(current or self.api_defaults[tab])
+        params = parse_generation_parameters(text)
+        index = {id(c): i for i, c in enumerate(runner.inputs)}
+        for comp, key in runner.infotext_fields:
+            v = key(params) if callable(key) else params.get(key)
+            if v is None or id(comp) not in index:
+                continue
+            if isinstance(v, dict) and v.get("__type__") == "update":
+                v = v.get("value")
+                if v is None:
+                    continue
+            valtype = type(comp.value)
+            v = False if valtype is bool and v == "False" else (
+                float(v) if valtype is int else valtype(v))
+            args[index[id(comp)]] = v
+        return args[script.args_from:script.args_to]
+
+    def xyz(self, tab: str, label: str, values: list, tome=None, **fields):
+        p = self.make_p(tab, tome, **fields)
+        with contextlib.closing(p):
+            return xyz_grid.run(p, label, values)
+
+
+def tome_args(**named) -> dict:
+    return {"enabled": True, **named}

@@ -1,0 +1,25 @@
+"""The extension's entries in Settings > ToMe (readable per request through override_settings)."""
+
+from __future__ import annotations
+
+SECTION = ("tome", "ToMe")
+
+
+def register() -> None:
+    """``on_ui_settings`` callback."""
+    import gradio as gr
+    from modules import shared
+
+    options = {
+        "tome_hires_only": shared.OptionInfo(
+            False, "Merge only in the hires-fix pass, in every txt2img generation").info(
+            "on when this or the accordion's 'Only in hires fix' is on; the first pass then "
+            "stays exact and only the large hires pass is merged"),
+        "tome_hr_ratio": shared.OptionInfo(
+            0.0, "Hires-fix pass ratio when the accordion's Hires ratio is 0", gr.Slider,
+            {"minimum": 0.0, "maximum": 0.95, "step": 0.01}).info(
+            "0 = same as the first pass; must not exceed 1 - 1/(sx*sy) (0.75 for a 2x2 stride)"),
+    }
+    for key, info in options.items():
+        info.section = SECTION
+        shared.opts.add_option(key, info)

@@ -1,0 +1,135 @@
+"""The accordion's gradio components, generated from ``ToMeConfig``'s field metadata.
+
+``build`` returns the components in ``settings.ARGS`` order, which is the API's positional
+contract. Labels are the keys of users' saved defaults in ``ui-config.json``, so they stay
+stable too. Tooltips live in ``javascript/tome.js``, rendered from ``HELP`` by ``tooltips_js``
+(gradio 3.41 has no tooltip argument; a test keeps the file in sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from typing import Any
+
+from ..config import AUTO, ToMeConfig
+from . import infotext
+from .settings import ARGS
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
+_DEFAULTS = ToMeConfig()
+
+# Controls that are not config fields: (label, tooltip).
+_EXTRA = {
+    "enabled": ("ToMe", (
+        "Token Merging: merge similar tokens in the UNet's transformer blocks so each step is "
+        "faster. It changes the image a little; the gain grows with image size, so it pays most "
+        "in the hires-fix pass and above 1024 px.")),
+    "hires_only": ("Only in hires fix", (
+        "Merge only in the hires-fix pass, where images are large and the speed-up is greatest; "
+        "the first pass stays exact. Without hires fix nothing is merged. img2img always "
+        "merges.")),
+    "hr_ratio": ("Hires ratio", (
+        "Ratio of the hires-fix pass (0 = same as Ratio). The hires pass usually tolerates more "
+        "merging than the first pass.")),
+}
+LABELS = {**{n: f.metadata["label"] for n, f in _FIELDS.items()},
+          **{n: label for n, (label, _) in _EXTRA.items()}}
+HELP = {n: (_EXTRA[n][1] if n in _EXTRA else _FIELDS[n].metadata["help"]) for n in ARGS}
+
+
+def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> list[Any]:
+    """Create the controls (inside the caller's gradio context) and set the paste fields."""
+    import gradio as gr
+
+    ratio = _DEFAULTS.ratio if default_ratio is None else default_ratio
+    c: dict[str, Any] = {}
+
+    def slider(name: str, value: Any = None, maximum: float | None = None) -> None:
+        meta = _FIELDS[name].metadata if name in _FIELDS else _FIELDS["ratio"].metadata
+        c[name] = gr.Slider(
+            minimum=meta["minimum"], maximum=meta.get("maximum", maximum), step=meta["step"],
+            value=getattr(_DEFAULTS, name) if value is None else value, label=LABELS[name],
+            elem_id=script.elem_id(name))
+
+    def radio(name: str, choices: tuple) -> None:
+        value = getattr(_DEFAULTS, name)
+        c[name] = gr.Radio(choices=list(choices), value=AUTO if value is None else str(value),
+                           label=LABELS[name], elem_id=script.elem_id(name))
+
+    def checkbox(name: str, value: bool | None = None) -> None:
+        c[name] = gr.Checkbox(value=getattr(_DEFAULTS, name) if value is None else value,
+                              label=LABELS[name], elem_id=script.elem_id(name))
+
+    with _input_accordion(LABELS["enabled"], script.elem_id("enabled")) as enabled:
+        c["enabled"] = enabled
+        with gr.Row():
+            radio("method", _FIELDS["method"].metadata["choices"])
+            slider("ratio", ratio, maximum=_DEFAULTS.max_ratio)
+            slider("downsample_factor")
+        with gr.Row():
+            slider("sx")
+            slider("sy")
+            radio("max_downsample", _FIELDS["max_downsample"].metadata["choices"])
+        with gr.Row():
+            slider("start")
+            slider("end")
+        with gr.Row(visible=not is_img2img):  # img2img has no hires pass; kept for arg order
+            checkbox("hires_only", False)
+            slider("hr_ratio", 0.0, maximum=_DEFAULTS.max_ratio)
+        with gr.Accordion("Advanced", open=False):
+            with gr.Row():
+                for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+                    checkbox(name)
+            radio("matching", _FIELDS["matching"].metadata["choices"])
+
+    def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
+        top = ToMeConfig(ratio=0.0, sx=max(1, int(sx)), sy=max(1, int(sy))).max_ratio
+        return (gr.update(maximum=top, value=min(r, top)),
+                gr.update(maximum=top, value=min(hr, top)))
+
+    for name in ("sx", "sy"):
+        c[name].change(clamp_ratios, inputs=[c["sx"], c["sy"], c["ratio"], c["hr_ratio"]],
+                       outputs=[c["ratio"], c["hr_ratio"]], show_progress=False)
+
+    script.infotext_fields = [(c[n], infotext.reader(n, c[n].value)) for n in ARGS]
+    return [c[n] for n in ARGS]
+
+
+def _input_accordion(label: str, elem_id: str):
+    """The WebUI's checkbox-accordion (>= 1.7); a checkbox in an accordion elsewhere."""
+    try:
+        from modules.ui_components import InputAccordion
+    except ImportError:
+        return _checkbox_accordion(label, elem_id)
+    return InputAccordion(False, label=label, elem_id=elem_id)
+
+
+@contextlib.contextmanager
+def _checkbox_accordion(label: str, elem_id: str):
+    import gradio as gr
+    with gr.Accordion(label, open=False):
+        yield gr.Checkbox(False, label="Enable", elem_id=elem_id)
+
+
+def tooltips_js() -> str:
+    """The content of ``javascript/tome.js``: titles on the controls, looked up by elem_id."""
+    texts = json.dumps(HELP, indent=2, ensure_ascii=False)
+    return f"""// Tooltips for the ToMe controls. Generated by tome/webui/ui.py (tooltips_js): edit there.
+(function () {{
+    const HELP = {texts};
+
+    onUiLoaded(function () {{
+        for (const tab of ["txt2img", "img2img"]) {{
+            for (const [name, text] of Object.entries(HELP)) {{
+                const el = gradioApp().getElementById(`script_${{tab}}_tome_${{name}}`);
+                if (!el) continue;
+                // on the accordion, only its title row: its children have their own tooltips
+                const target = name === "enabled" ? el.querySelector(".label-wrap") || el : el;
+                target.title = text;
+            }}
+        }}
+    }});
+}})();
+"""

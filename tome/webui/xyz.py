@@ -1,0 +1,84 @@
+"""Axes for the X/Y/Z plot script: compare ToMe settings in one grid.
+
+Each axis stores its value on the plot cell's copy of ``p`` (``runner.XYZ_ATTR``); the runner
+lays those values over the script's arguments, so a ToMe axis turns ToMe on in every cell
+unless the "[ToMe] Enabled" axis says otherwise. Values are validated when the grid starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..config import AUTO, MATCHINGS, METHODS
+from .runner import XYZ_ATTR
+from .settings import from_dict
+
+PREFIX = "[ToMe] "
+_BOOLS = ["True", "False"]
+
+
+def set_value(key: str) -> Callable[[Any, Any, Any], None]:
+    """An axis ``apply``: a new dict per cell, since the cells share everything else."""
+    def apply(p: Any, x: Any, xs: Any) -> None:
+        new = {key: x} if key != "stride" else dict(zip(("sx", "sy"), parse_stride(x)))
+        setattr(p, XYZ_ATTR, {**(getattr(p, XYZ_ATTR, None) or {}), **new})
+    return apply
+
+
+def parse_stride(text: Any) -> tuple[int, int]:
+    """"2x2", "3x2" (sx x sy) or "2" (both)."""
+    parts = str(text).lower().replace(" ", "").split("x")
+    try:
+        sx, sy = (int(parts[0]),) * 2 if len(parts) == 1 else map(int, parts)
+    except ValueError:
+        raise ValueError(f"ToMe: invalid stride {text!r}: expected SXxSY such as 2x2, or one "
+                         "integer for both") from None
+    return sx, sy
+
+
+def confirm(name: str) -> Callable[[Any, list], None]:
+    """Check every value of an axis on its own, with the error the generation would give."""
+    def check(p: Any, xs: list) -> None:
+        for x in xs:
+            values = dict(zip(("sx", "sy"), parse_stride(x))) if name == "stride" else {name: x}
+            if name in ("ratio", "hr_ratio"):
+                values.update(sx=4, sy=4)  # the widest stride allowed by the UI; checked again later
+            from_dict({"enabled": True, **values})
+    return check
+
+
+def axes(xyz: Any) -> list[Any]:
+    A = xyz.AxisOption
+    return [
+        A(PREFIX + "Enabled", str, set_value("enabled"), confirm=confirm("enabled"),
+          choices=lambda: _BOOLS),
+        A(PREFIX + "Ratio", float, set_value("ratio"), confirm=confirm("ratio")),
+        A(PREFIX + "Hires ratio", float, set_value("hr_ratio"), confirm=confirm("hr_ratio")),
+        A(PREFIX + "Stride", str, set_value("stride"), confirm=confirm("stride"),
+          choices=lambda: ["2x2", "2x1", "1x2", "3x3", "4x4"]),
+        A(PREFIX + "Max downsample", str, set_value("max_downsample"),
+          confirm=confirm("max_downsample"), choices=lambda: [AUTO, "1", "2", "4", "8"]),
+        A(PREFIX + "Method", str, set_value("method"), confirm=confirm("method"),
+          choices=lambda: list(METHODS)),
+        A(PREFIX + "Downsample factor", int, set_value("downsample_factor"),
+          confirm=confirm("downsample_factor")),
+        A(PREFIX + "Matching", str, set_value("matching"), confirm=confirm("matching"),
+          choices=lambda: list(MATCHINGS)),
+        A(PREFIX + "Start", float, set_value("start"), confirm=confirm("start")),
+        A(PREFIX + "End", float, set_value("end"), confirm=confirm("end")),
+        A(PREFIX + "Hires only", str, set_value("hires_only"), confirm=confirm("hires_only"),
+          choices=lambda: _BOOLS),
+    ]
+
+
+def add_axes() -> None:
+    """``on_before_ui`` callback: the XYZ script reads its axis list when it builds its UI."""
+    from modules import scripts
+
+    module = next((s.module for s in scripts.scripts_data
+                   if s.script_class.__module__ == "xyz_grid.py"), None)
+    if module is None:  # the built-in XYZ script is disabled
+        return
+    known = {opt.label for opt in module.axis_options}
+    module.axis_options.extend(a for a in axes(module) if a.label not in known)
