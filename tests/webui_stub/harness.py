@@ -10,6 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from dataclasses import dataclass
+
 import gradio as gr
 import torch
 import xyz_grid
@@ -17,6 +19,16 @@ from modules import errors, processing, script_callbacks, scripts, sd_models, sd
 from modules.infotext_utils import parse_generation_parameters
 
 EXT_ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@dataclass
+class Call:
+    """What one UNet call ran with."""
+
+    hr: bool
+    model: object
+    config: object   # the ToMe config of the patch, or None
+    tomesd: bool     # the built-in token merging (tomesd) was active
 
 
 def tiny_model(kind: str = "sd1", seed: int = 0) -> torch.nn.Module:
@@ -40,6 +52,8 @@ class WebUI:
         sd_unet.current_unet = None
         errors.reported.clear()
         processing.unet_call_observers.clear()
+        processing.unet_call_observers.append(self._observe)
+        self.calls: list[Call] = []
         for k, v in cmd_opts.items():
             setattr(shared.cmd_opts, k, v)
         self.start()
@@ -52,13 +66,21 @@ class WebUI:
         script_callbacks.ui_settings_callback()
         script_callbacks.before_ui_callback()
         self.runners = {}
-        with gr.Blocks():
+        with gr.Blocks() as self.blocks:
             for tab in ("txt2img", "img2img"):
                 runner = scripts.ScriptRunner()
                 runner.initialize_scripts(tab == "img2img")
                 runner.setup_ui()
                 self.runners[tab] = runner
         self.api_defaults = {tab: self.default_args(tab) for tab in self.runners}
+
+    def _observe(self, p, model) -> None:
+        import tome
+
+        report = tome.patch_report(model)
+        tomesd = any(type(m).__name__ == "ToMeBlock" for m in model.modules())
+        self.calls.append(Call(bool(getattr(p, "is_hr_pass", False)), model,
+                               report.config if report else None, tomesd))
 
     def reload_ui(self) -> None:
         """Settings > Reload UI: unload callbacks, re-run the script files, rebuild."""
@@ -78,6 +100,12 @@ class WebUI:
         return args
 
     # --- generations ------------------------------------------------------------------------
+    def baseline(self, tab: str = "txt2img", **fields):
+        """The same generation in a WebUI without the extension (no scripts at all)."""
+        cls = (processing.StableDiffusionProcessingImg2Img if tab == "img2img"
+               else processing.StableDiffusionProcessingTxt2Img)
+        return processing.process_images(cls(**fields))
+
     def make_p(self, tab: str, tome: list | dict | None = None, **fields):
         cls = (processing.StableDiffusionProcessingImg2Img if tab == "img2img"
                else processing.StableDiffusionProcessingTxt2Img)

@@ -133,7 +133,8 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         shape = (1, 4, self.height // 8, self.width // 8)
         if self.firstpass_image is None:
             x = self.noise(shape)
-            self.scripts.process_before_every_sampling(self, x=x, noise=x, c=None, uc=None)
+            if self.scripts is not None:
+                self.scripts.process_before_every_sampling(self, x=x, noise=x, c=None, uc=None)
             samples = self.denoise(x, self.steps)
         else:  # the "Upscale" button: the first pass is the given image
             samples = self.firstpass_image
@@ -149,8 +150,9 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         noise = self.noise((1, *x.shape[1:]))
         x = x + noise * self.denoising_strength
         sd_models.apply_token_merging(self.sd_model, self.get_token_merging_ratio(for_hr=True))
-        self.scripts.before_hr(self)
-        self.scripts.process_before_every_sampling(self, x=x, noise=noise, c=None, uc=None)
+        if self.scripts is not None:
+            self.scripts.before_hr(self)
+            self.scripts.process_before_every_sampling(self, x=x, noise=noise, c=None, uc=None)
         out = self.denoise(x, self.hr_second_pass_steps or self.steps,
                            t_from=999.0 * self.denoising_strength)
         sd_models.apply_token_merging(self.sd_model, self.get_token_merging_ratio())
@@ -175,7 +177,8 @@ class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
             init = torch.zeros(1, 4, self.height // 8, self.width // 8)
         init = init.expand(len(self.seeds), -1, -1, -1)
         noise = self.noise((1, *init.shape[1:]))
-        self.scripts.process_before_every_sampling(self, x=init, noise=noise, c=None, uc=None)
+        if self.scripts is not None:
+            self.scripts.process_before_every_sampling(self, x=init, noise=noise, c=None, uc=None)
         x = init + noise * self.denoising_strength
         return self.denoise(x, self.steps, t_from=999.0 * self.denoising_strength)
 

@@ -1,0 +1,242 @@
+"""Whole generations through the WebUI stand-in, on a real (tiny) ldm UNet."""
+
+import pytest
+import torch
+from webui_stub.harness import WebUI, tiny_model
+
+import tome
+from modules import sd_models, sd_unet, shared
+
+
+@pytest.fixture
+def webui():
+    return WebUI()
+
+
+def on(**named):
+    return {"enabled": True, **named}
+
+
+def passes(webui):
+    """(hires pass?, ratio or None) per UNet call, deduplicated in order."""
+    seen = []
+    for c in webui.calls:
+        item = (c.hr, None if c.config is None else c.config.ratio)
+        if not seen or seen[-1] != item:
+            seen.append(item)
+    return seen
+
+
+def images(res):
+    return torch.stack(res.images)
+
+
+def test_off_is_bit_identical_to_a_webui_without_the_extension(webui):
+    base = webui.baseline(enable_hr=True)
+    res = webui.generate(enable_hr=True)
+    assert torch.equal(images(res), images(base))
+    assert res.info == base.info
+    assert all(c.config is None and not c.tomesd for c in webui.calls)
+
+
+def test_txt2img_is_patched_while_sampling_and_restored_after(webui, capsys):
+    res = webui.generate(tome=on(ratio=0.4))
+    assert passes(webui) == [(False, 0.4)]
+    assert not tome.is_patched(shared.sd_model)
+    assert "ToMe ratio: 0.4" in res.info
+    out = capsys.readouterr().out
+    assert out.count("ToMe: SD1 (ldm) first pass ratio 0.4; 5/16 blocks patched") == 1
+    assert not torch.equal(images(res), images(webui.baseline()))
+
+
+def test_positional_args_from_the_ui(webui):
+    res = webui.generate(tome=[True, 0.3, 2, 2, "auto"])
+    assert passes(webui) == [(False, 0.3)]
+    assert "ToMe ratio: 0.3" in res.info
+
+
+@pytest.mark.parametrize("hires_only", [False, True])
+def test_hires_fix_gets_its_own_patch(webui, hires_only):
+    res = webui.generate(tome=on(ratio=0.3, hr_ratio=0.6, hires_only=hires_only), enable_hr=True)
+    first = None if hires_only else 0.3
+    assert passes(webui) == [(False, first), (True, 0.6)]
+    assert not tome.is_patched(shared.sd_model)
+    assert "ToMe hr ratio: 0.6" in res.info
+    assert ("ToMe hires only: True" in res.info) == hires_only
+
+
+def test_hires_settings_through_override_settings(webui):
+    res = webui.generate(tome=on(ratio=0.3), enable_hr=True,
+                         override_settings={"tome_hires_only": True, "tome_hr_ratio": 0.5})
+    assert passes(webui) == [(False, None), (True, 0.5)]
+    assert "ToMe hires only: True" in res.info and "ToMe hr ratio: 0.5" in res.info
+
+
+def test_hires_only_without_hires_fix_merges_nothing(webui, capsys):
+    res = webui.generate(tome=on(hires_only=True))
+    assert passes(webui) == [(False, None)]
+    assert "ToMe" not in res.info.split("\n")[-1]
+    assert "hires fix is off: nothing is merged" in capsys.readouterr().out
+
+
+def test_upscale_button_path_patches_only_the_hires_pass(webui):
+    first = torch.randn(1, 4, 16, 16)
+    res = webui.generate(tome=on(ratio=0.5, hr_ratio=0.7), enable_hr=True,
+                         firstpass_image=first)
+    assert passes(webui) == [(True, 0.7)]
+    assert not tome.is_patched(shared.sd_model) and "ToMe hr ratio: 0.7" in res.info
+
+
+def test_img2img_has_its_own_ratio(webui):
+    res = webui.generate("img2img", tome=on(ratio=0.5, img2img_ratio=0.25, hires_only=True))
+    assert passes(webui) == [(False, 0.25)]  # img2img always merges
+    assert "ToMe ratio: 0.25" in res.info and "hires only" not in res.info
+
+
+def test_failed_run_is_cleared_by_close_or_by_the_next_generation(webui):
+    with pytest.raises(RuntimeError, match="simulated"):
+        webui.generate(tome=on(), close=False, fail_at_step=(False, 1))
+    assert tome.is_patched(shared.sd_model)  # stale: postprocess never ran
+    webui.calls.clear()
+    res = webui.generate()
+    assert all(c.config is None for c in webui.calls)
+    assert torch.equal(images(res), images(webui.baseline()))
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        webui.generate(tome=on(), fail_at_step=(True, 0), enable_hr=True)
+    assert not tome.is_patched(shared.sd_model)  # p.close() restored it
+
+
+def test_interrupt_between_batches_leaves_nothing_patched(webui):
+    shared.state.interrupted = True
+    webui.generate(tome=on(), n_iter=2)
+    assert not tome.is_patched(shared.sd_model)
+
+
+def test_model_switch_and_reload_ui_unpatch(webui):
+    with pytest.raises(RuntimeError):
+        webui.generate(tome=on(), close=False, fail_at_step=(False, 0))
+    old = shared.sd_model
+    assert tome.is_patched(old)
+    sd_models.load_model(tiny_model(seed=5))
+    assert not tome.is_patched(old)
+
+    with pytest.raises(RuntimeError):
+        webui.generate(tome=on(), close=False, fail_at_step=(False, 0))
+    assert tome.is_patched(shared.sd_model)
+    webui.reload_ui()
+    assert not tome.is_patched(shared.sd_model)
+    webui.generate(tome=on(ratio=0.2))  # still works after the reload
+    assert passes(webui)[-1] == (False, 0.2)
+
+
+def test_hires_checkpoint_moves_the_patch(webui):
+    first_model = shared.sd_model
+    p_fields = dict(enable_hr=True)
+    p = webui.make_p("txt2img", on(ratio=0.4), **p_fields)
+    p.hr_model = tiny_model(seed=7)
+    from modules import processing
+    processing.process_images(p)
+    by_model = {(id(c.model), c.hr, None if c.config is None else c.config.ratio)
+                for c in webui.calls}
+    assert by_model == {(id(first_model), False, 0.4), (id(p.hr_model), True, 0.4)}
+    assert not tome.is_patched(first_model) and not tome.is_patched(p.hr_model)
+
+
+def test_refiner_switched_in_mid_sampling_is_patched(webui):
+    refiner = tiny_model(seed=9)
+    webui.generate(tome=on(ratio=0.4), steps=4, refiner_model=refiner, refiner_switch_at=2)
+    assert [(c.model is refiner, c.config is not None) for c in webui.calls] == [
+        (False, True), (False, True), (True, True), (True, True)]
+    assert not tome.is_patched(refiner)
+
+
+def test_builtin_token_merging_is_taken_over(webui, capsys):
+    shared.opts.token_merging_ratio = 0.5
+    res = webui.generate()
+    assert all(c.tomesd for c in webui.calls) and "Token merging ratio: 0.5" in res.info
+
+    webui.calls.clear()
+    res = webui.generate(tome=on(ratio=0.3))
+    assert all(not c.tomesd and c.config.ratio == 0.3 for c in webui.calls)
+    assert "Token merging ratio" not in res.info and "ToMe ratio: 0.3" in res.info
+    assert shared.opts.token_merging_ratio == 0.5  # restored after the generation
+    webui.generate(tome=on(ratio=0.3))
+    out = capsys.readouterr().out
+    assert out.count("built-in token merging (token_merging_ratio=0.5) is off") == 1
+
+    webui.calls.clear()
+    res = webui.generate(tome=on(), override_settings_restore_afterwards=False)
+    assert all(not c.tomesd for c in webui.calls) and shared.opts.token_merging_ratio == 0.5
+
+
+def test_same_seed_same_image_and_untouched_global_rng(webui):
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = images(webui.generate(tome=on(ratio=0.6), seed=5))
+    assert torch.equal(torch.get_rng_state(), state)
+    b = images(webui.generate(tome=on(ratio=0.6), seed=5))
+    c = images(webui.generate(tome=on(ratio=0.6, use_rand=False), seed=5))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_each_batch_is_seeded_from_its_first_image(webui):
+    webui.generate(tome=on(), n_iter=2, batch_size=2, seed=10)
+    seen = sorted({c.config.seed for c in webui.calls})
+    assert seen == [10, 12]
+    single = images(webui.generate(tome=on(), batch_size=2, seed=12))
+    both = webui.generate(tome=on(), n_iter=2, batch_size=2, seed=10)
+    assert torch.equal(torch.stack(both.images[2:]), single)
+
+
+def test_sdxl_layout_merges_with_auto_max_downsample(capsys):
+    webui = WebUI(tiny_model("sdxl"))
+    webui.generate(tome=on())
+    report_line = capsys.readouterr().out
+    assert "ToMe: SDXL (ldm)" in report_line and "5/11 blocks patched at downsample <= 2 (ds2: 5)" in report_line
+    assert all(c.config is not None and c.config.max_downsample is None for c in webui.calls)
+
+
+def test_downsample_method_and_step_window(webui, capsys):
+    res = webui.generate(tome=on(method="downsample", downsample_factor=2, start=0.2, end=0.8))
+    assert "ToMe method: downsample" in res.info and "ToMe start: 0.2" in res.info
+    assert "ToMe ratio" not in res.info
+    assert "first pass downsample x2" in capsys.readouterr().out
+
+
+def test_sd_unet_replacement_is_skipped_with_a_note(webui, capsys):
+    sd_unet.current_unet = type("TrtUnet", (), {})()
+    res = webui.generate(tome=on())
+    assert all(c.config is None for c in webui.calls)
+    assert "ToMe skipped" in res.info
+    assert capsys.readouterr().out.count("ToMe: skipped") == 1
+
+
+def test_model_without_transformer_blocks_is_skipped(capsys):
+    dit = torch.nn.Module()
+    dit.model = torch.nn.Module()
+    dit.model.diffusion_model = DiT()
+    dit.context_dim = 32
+    webui = WebUI(dit)
+    res = webui.generate(tome=on())
+    assert "ToMe skipped" in res.info and len(res.images) == 1
+    assert "ToMe: skipped, the image is generated without merging" in capsys.readouterr().out
+
+
+class DiT(torch.nn.Module):
+    """A stand-in for SD3's MMDiT: a denoiser with no BasicTransformerBlock."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x, t, context):
+        return self.proj(x)
+
+
+def test_block_shadowed_by_another_extension_is_skipped_with_a_note(webui):
+    unet = shared.sd_model.model.diffusion_model
+    block = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")
+    block._forward = block._forward  # what ControlNet's reference-only leaves behind
+    res = webui.generate(tome=on())
+    assert "ToMe skipped: \"1 block(s)" in res.info
