@@ -53,20 +53,29 @@ def partition(h: int, w: int, sx: int, sy: int, cells: torch.Tensor | None = Non
 
     ``cells`` gives the chosen position inside each cell (row-major, from ``random_cells``);
     None picks the top-left token. Rows and columns left over when the stride does not divide
-    the grid are always sources, as in tomesd. ``dst_idx`` is in cell order (row-major over
-    the ``(h // sy, w // sx)`` cell grid), which ``local_match`` relies on.
+    the grid are always sources, as in tomesd. Both index lists come in exactly tomesd's
+    order (its argsort of a -1/0 buffer is not stable), so ties between equal scores, which
+    are common in bf16, are broken as tomesd breaks them.
     """
     hsy, wsx = h // sy, w // sx
     if cells is None:
         cells = torch.zeros(hsy, wsx, dtype=torch.long)
     cells = cells.to(device=device, dtype=torch.long)
-    ys = torch.arange(hsy, device=device)[:, None] * sy + cells // sx
-    xs = torch.arange(wsx, device=device)[None, :] * sx + cells % sx
-    dst_idx = (ys * w + xs).reshape(-1)
-    is_dst = torch.zeros(h * w, dtype=torch.bool, device=device)
-    is_dst[dst_idx] = True
-    src_idx = (~is_dst).nonzero().squeeze(1)
-    return src_idx, dst_idx
+    view = torch.zeros(hsy, wsx, sy * sx, dtype=torch.long, device=device)
+    view.scatter_(2, cells[..., None], -1)
+    view = view.view(hsy, wsx, sy, sx).transpose(1, 2).reshape(hsy * sy, wsx * sx)
+    if hsy * sy < h or wsx * sx < w:
+        buf = torch.zeros(h, w, dtype=torch.long, device=device)
+        buf[:hsy * sy, :wsx * sx] = view
+        view = buf
+    order = view.reshape(1, -1, 1).argsort(dim=1)[0, :, 0]
+    num_dst = hsy * wsx
+    return order[num_dst:], order[:num_dst]
+
+
+def cell_of(idx: torch.Tensor, w: int, sx: int, sy: int, hsy: int, wsx: int) -> torch.Tensor:
+    """Row-major cell number of raster token ids (leftover rows/columns: the nearest cell)."""
+    return (idx // w // sy).clamp(max=hsy - 1) * wsx + (idx % w // sx).clamp(max=wsx - 1)
 
 
 def _chunk_rows(cols: int, batch: int, itemsize: int, budget: int = 0) -> int:
@@ -131,7 +140,9 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     if hsy == 0 or wsx == 0:
         return global_match(metric, src_idx, dst_idx)
     dev, S = metric.device, sx * sy
-    d = metric[:, dst_idx]
+    # Destinations in cell order (one per cell); results are mapped back to dst_idx positions.
+    by_cell = cell_of(dst_idx, w, sx, sy, hsy, wsx).argsort()
+    d = metric[:, dst_idx[by_cell]]
     d = d / d.norm(dim=-1, keepdim=True)
     grid = F.pad(d.view(B, hsy, wsx, C), (0, 0, 1, 1, 1, 1))  # zero ring of cells
     # -inf for neighbours outside the grid; [hsy, wsx, 9]
@@ -179,7 +190,7 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     cj = (src_idx % w // sx).clamp(max=wsx - 1)
     di = torch.tensor([o[0] for o in _OFFSETS], device=dev)[k]
     dj = torch.tensor([o[1] for o in _OFFSETS], device=dev)[k]
-    node_idx = (ci + di) * wsx + (cj + dj)
+    node_idx = by_cell[(ci + di) * wsx + (cj + dj)]
     norms = metric[:, src_idx].float().norm(dim=-1) if N * C * B < (1 << 22) else \
         torch.cat([metric[:, p].float().norm(dim=-1)
                    for p in src_idx.split(_chunk_rows(C, B, 4))], dim=1)
