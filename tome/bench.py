@@ -152,10 +152,12 @@ class Case:
 
 
 def build_case(model_name: str, size: int, dtype: str = "bf16", batch: int = 2, seed: int = 0,
-               model: nn.Module | None = None) -> Case:
-    """A case with its model (built unless given) and fixed random inputs."""
+               model: nn.Module | None = None, context_dim: int | None = None) -> Case:
+    """A case with its model (built unless given: then ``context_dim`` may say its width)
+    and fixed random inputs."""
     dt = DTYPES[dtype]
     _, _, ctx_len, ctx_dim = MODELS[model_name]
+    ctx_dim = context_dim or ctx_dim
     if model is None:
         model = build_model(model_name, dt, seed)
     g = torch.Generator().manual_seed(seed + 7)
