@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from webui_stub.harness import WebUI, tiny_model
+from webui_stub.harness import WebUI, sd_models, sd_unet, shared, tiny_model
 
 import tome
-from modules import sd_models, sd_unet, shared
 
 
 @pytest.fixture
@@ -132,8 +131,7 @@ def test_model_switch_and_reload_ui_unpatch(webui):
 
 def test_hires_checkpoint_moves_the_patch(webui):
     first_model = shared.sd_model
-    p_fields = dict(enable_hr=True)
-    p = webui.make_p("txt2img", on(ratio=0.4), **p_fields)
+    p = webui.make_p("txt2img", on(ratio=0.4), enable_hr=True)
     p.hr_model = tiny_model(seed=7)
     from modules import processing
     processing.process_images(p)

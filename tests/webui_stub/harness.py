@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 
@@ -16,9 +17,25 @@ import gradio as gr
 import torch
 import xyz_grid
 from modules import errors, processing, script_callbacks, scripts, sd_models, sd_unet, shared
-from modules.infotext_utils import parse_generation_parameters
+from modules.infotext_utils import PAIR, parse_generation_parameters
 
 EXT_ROOT = os.path.dirname(os.path.dirname(HERE))
+# Re-exported for the tests, which cannot import the stand-in before this module set sys.path.
+__all__ = [
+    "EXT_ROOT",
+    "PAIR",
+    "WebUI",
+    "errors",
+    "parse_generation_parameters",
+    "processing",
+    "script_callbacks",
+    "scripts",
+    "sd_models",
+    "sd_unet",
+    "shared",
+    "tiny_model",
+    "xyz_grid",
+]
 
 
 @dataclass
@@ -31,13 +48,18 @@ class Call:
     tomesd: bool     # the built-in token merging (tomesd) was active
 
 
+_unets: dict = {}
+
+
 def tiny_model(kind: str = "sd1", seed: int = 0) -> torch.nn.Module:
     """An ldm-style model object around a tiny random-weight UNet, flagged like the WebUI's."""
     from models import TINY_SD15, TINY_SDXL, ldm_unet
 
+    if (kind, seed) not in _unets:
+        _unets[kind, seed] = ldm_unet(TINY_SDXL if kind == "sdxl" else TINY_SD15, seed)
     model = torch.nn.Module()
     model.model = torch.nn.Module()
-    model.model.diffusion_model = ldm_unet(TINY_SDXL if kind == "sdxl" else TINY_SD15, seed)
+    model.model.diffusion_model = copy.deepcopy(_unets[kind, seed])
     model.context_dim = 32
     for flag in ("is_sd1", "is_sd2", "is_sdxl", "is_sd3"):
         setattr(model, flag, flag == f"is_{kind}")
@@ -72,7 +94,8 @@ class WebUI:
                 runner.initialize_scripts(tab == "img2img")
                 runner.setup_ui()
                 self.runners[tab] = runner
-        self.api_defaults = {tab: self.default_args(tab) for tab in self.runners}
+        with gr.Blocks():
+            self.api_defaults = {tab: self.default_args(tab) for tab in self.runners}
 
     def _observe(self, p, model) -> None:
         import tome
@@ -94,9 +117,8 @@ class WebUI:
         """What the API does: call ui() again in a throwaway Blocks and read ``.value``s."""
         runner = self.runners[tab]
         args = [0] + [None] * (len(runner.inputs) - 1)
-        with gr.Blocks():
-            for s in runner.scripts:
-                args[s.args_from:s.args_to] = [c.value for c in s.ui(s.is_img2img)]
+        for s in runner.scripts:  # inside the caller's throwaway gr.Blocks
+            args[s.args_from:s.args_to] = [c.value for c in s.ui(s.is_img2img)]
         return args
 
     # --- generations ------------------------------------------------------------------------
