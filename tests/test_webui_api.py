@@ -77,11 +77,13 @@ def test_a_disabled_extension_never_fails_a_request(webui):
 
 
 def test_settings_through_override_settings_are_per_request(webui):
-    shared.opts.data["tome_hires_only"] = False  # saved in config.json: restored afterwards
     r = webui.api("txt2img", request([{"enabled": True, "ratio": 0.4}], enable_hr=True,
                                      override_settings={"tome_hires_only": True}))
     assert r["status"] == 200 and ratios(webui) == [(False, None), (True, 0.4)]
-    assert shared.opts.tome_hires_only is False
+    assert shared.opts.tome_hires_only is False  # restored, though never saved by the user
+    webui.calls.clear()
+    webui.api("txt2img", request([{"enabled": True, "ratio": 0.4}], enable_hr=True))
+    assert ratios(webui) == [(False, 0.4), (True, 0.4)]
 
 
 def test_infotext_in_the_request_fills_the_script_args(webui):

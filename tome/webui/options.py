@@ -23,3 +23,6 @@ def register() -> None:
     for key, info in options.items():
         info.section = SECTION
         shared.opts.add_option(key, info)
+        # The WebUI restores a request's override_settings afterwards only for keys present in
+        # its config data; without this a per-request value would stick until the next restart.
+        shared.opts.data.setdefault(key, info.default)
