@@ -1,0 +1,35 @@
+# Everything runs in .venv, created on first use. PyTorch's CPU build is installed first so pip
+# does not pull the CUDA packages; override TORCH (e.g. TORCH="torch --index-url <cpu index>").
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo bench test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test]"
+	# The ldm UNet code the WebUI pins (Stability-AI/stablediffusion), shipped on PyPI by
+	# stable-diffusion-sdkit; --no-deps because it pins an old transformers we do not need.
+	$(PY) -m pip install -q --no-deps stable-diffusion-sdkit==2.1.5
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m tome.demo
+
+bench: setup
+	$(PY) -m tome.bench --quick
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) out
