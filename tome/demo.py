@@ -16,11 +16,6 @@ import torch
 
 import tome
 
-SD15 = dict(image_size=64, in_channels=4, out_channels=4, model_channels=320,
-            attention_resolutions=[4, 2, 1], num_res_blocks=2, channel_mult=[1, 2, 4, 4],
-            num_heads=8, use_spatial_transformer=True, transformer_depth=1, context_dim=768,
-            use_checkpoint=False, legacy=False)
-
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,18 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from .bench import build_case, ldm_sdpa
 
-    from .bench import ldm_sdpa
-
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    torch.manual_seed(0)
-    unet = UNetModel(**SD15).eval().to(dtype)
-    g = torch.Generator().manual_seed(1)
-    side = args.size // 8
-    x = torch.randn(2, 4, side, side, generator=g).to(dtype)
-    t = torch.tensor([500.0, 500.0])
-    ctx = torch.randn(2, 77, 768, generator=g).to(dtype)
+    case = build_case("sd15", args.size, args.dtype)
+    unet, side = case.model, args.size // 8
+    x, t, ctx = case.inputs["x"], case.inputs["t"], case.inputs["ctx"]
 
     def forward() -> float:
         start = time.perf_counter()
