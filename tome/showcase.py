@@ -1,0 +1,156 @@
+"""See what each ToMe setting costs: a grid of images, a quality-vs-speed plot and a table.
+
+    python -m tome.showcase                 # a few minutes on one CPU core
+    python -m tome.showcase --seeds 0,1 --steps 25 --threads 2 --out out/showcase
+    python -m tome.showcase --preset full   # every method and option of the library
+
+Uses the small diffusion model shipped in ``tome/tinyldm`` (trained on photos, real ``ldm``
+UNet, 4096 tokens at its top level as SD 1.5 at 512 px). Every setting samples the same
+seeds, so each image can be compared with the unmerged one above its caption: PSNR/SSIM
+measure how far it drifted. The held-out loss says whether the model got worse at
+denoising photos it never saw (needs the photo packages; skipped when unavailable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import quality
+
+QUICK_SETTINGS = ("unmerged", "merge:0.5", "downsample:2")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v.strip()]
+
+
+def _heldout(n: int, size: int, cache: str | None):
+    """The fixed held-out batch, or None (with the reason) if the photos are unavailable."""
+    from .tinyldm import data
+
+    try:
+        return data.heldout_batch(n, size, seed=0, cache_dir=cache), None
+    except (RuntimeError, OSError, FileNotFoundError) as e:
+        return None, str(e).splitlines()[0][:200]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tome.showcase",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="out/showcase", help="output folder (default out/showcase)")
+    p.add_argument("--steps", type=int, default=20, help="DDIM steps (default 20)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--classes", default=None, help="class ids (default: all four)")
+    p.add_argument("--size", type=int, default=64, help="image size (default 64)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: steadier timings on a busy machine)")
+    p.add_argument("--preset", choices=("default", "full"), default="default",
+                   help="settings: default (the grid's) or full (every option)")
+    p.add_argument("--setting", action="append", default=[],
+                   help="replace the preset: e.g. merge:0.5, merge:0.5:matching=local, "
+                        "downsample:2, merge:0.75:end=0.5 (repeatable)")
+    p.add_argument("--fp32", action="store_true", help="sample in fp32 (default bf16)")
+    p.add_argument("--heldout", type=int, default=8,
+                   help="held-out crops for the denoising loss (0: skip; default 8)")
+    p.add_argument("--timesteps", default="100,300,500,700,900",
+                   help="timesteps of the held-out loss")
+    p.add_argument("--cache", default=None, help="photo cache folder (default: the user cache)")
+    p.add_argument("--weights", default=None, help="model file (default: the shipped one)")
+    p.add_argument("--sd", action="store_true",
+                   help="also measure the output deviation on the SD1.5 UNet (tome.bench)")
+    p.add_argument("--sd-size", type=int, default=512)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny run for tests: 32 px, 4 steps, 2 classes, 3 settings")
+    a = p.parse_args(argv)
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    specs = a.setting or (quality.FULL_SETTINGS if a.preset == "full"
+                          else quality.DEFAULT_SETTINGS)
+    timesteps = _ints(a.timesteps)
+    if a.quick:
+        a.size, a.steps, specs = 32, 4, a.setting or QUICK_SETTINGS
+        a.heldout, timesteps = min(a.heldout, 4), [100, 900]
+        a.classes = a.classes or "0,1"
+    settings = quality.settings_from(specs)
+
+    from . import tinyldm
+    from .bench import machine
+
+    path = Path(a.weights) if a.weights else tinyldm.DEFAULT_WEIGHTS
+    if not path.is_file():
+        p.error(f"model weights not found: {path}")
+    model = tinyldm.load_model(path)
+    names = model.config["classes"]
+    classes = _ints(a.classes) if a.classes else list(range(len(names)))
+    seeds = _ints(a.seeds)
+    bf16 = not a.fp32
+    trained = model.metadata.get("steps", "?")
+
+    heldout, why = (None, "--heldout 0") if a.heldout <= 0 else _heldout(a.heldout, a.size,
+                                                                         a.cache)
+    n_img = len(classes) * len(seeds)
+    print(f"tiny diffusion model ({tinyldm.num_params(model) / 1e6:.1f}M parameters, "
+          f"{trained} training steps), {n_img} image(s) x {len(settings)} settings, "
+          f"{a.steps} DDIM steps, {a.size}x{a.size}, {'bf16' if bf16 else 'fp32'}, "
+          f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+    if heldout is None:
+        print(f"held-out loss skipped: {why}", file=sys.stderr)
+
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"\r[{time.perf_counter() - t0:5.0f} s] {msg:<60}", end="", file=sys.stderr,
+              flush=True)
+
+    rows = quality.evaluate(model, settings, classes, seeds, steps=a.steps, size=a.size,
+                            bf16=bf16, heldout=heldout, timesteps=timesteps,
+                            progress=progress)
+    print(file=sys.stderr)
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [f"{names[c]} #{s}" for c, s in rows[0]["jobs"]]
+    grid = quality.grid_image(rows, row_labels=labels)
+    grid.save(out / "grid.png")
+    what = (f"tiny diffusion model, {a.size}x{a.size}, {a.steps} DDIM steps, {n_img} image(s), "
+            f"{'bf16' if bf16 else 'fp32'}")
+    title = f"{what}, {torch.get_num_threads()} CPU thread(s)"
+    quality.plot(rows, str(out / "quality_vs_speed.png"), title=title)
+
+    cmd = "python -m tome.showcase" + (" " + " ".join(argv if argv is not None
+                                                      else sys.argv[1:])).rstrip()
+    text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), ""]
+    text.append("Time: median seconds to sample one image (all steps); speed-up: unmerged / "
+                "setting. MSE, PSNR, SSIM: final images against the unmerged images from the "
+                "same seeds (MSE lower, PSNR/SSIM higher = closer).")
+    if heldout is not None:
+        text.append(f"Loss Δ: relative increase of the denoising loss on {len(heldout[1])} "
+                    "held-out photo crops at each timestep t (0 = clean, 1000 = pure noise), "
+                    "same noise for every setting.")
+    if a.sd:
+        from . import bench
+
+        progress("SD1.5 UNet: output deviation")
+        sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size)
+        print(file=sys.stderr)
+        text += ["", f"Output deviation on the SD1.5 UNet ({a.sd_size} px, random weights, "
+                 "one call at t=500):", "", bench.markdown_table(sd_rows)]
+    table = "\n".join(text)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    print()
+    for name in ("grid.png", "quality_vs_speed.png", "table.md"):
+        print(f"wrote {os.path.join(a.out, name)}")
+    print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
