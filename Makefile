@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo bench test lint clean
+.PHONY: setup demo speed-demo bench test lint clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps stable-diffusion-sdkit==2.1.5
 	touch $(STAMP)
 
+# Grid of images, quality-vs-speed plot and table on the shipped tiny model (out/showcase/).
 demo: setup
+	$(PY) -m tome.showcase
+
+# One SD1.5 UNet forward with and without ToMe (random weights): speed only.
+speed-demo: setup
 	$(PY) -m tome.demo
 
 bench: setup
