@@ -173,8 +173,11 @@ def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
         return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
     if type(block).__name__ == "ToMeBlock":
         return "patched by tomesd"
-    missing = [n for n in ("attn1", "attn2", "ff") if not isinstance(getattr(block, n, None),
-                                                                   nn.Module)]
+    wanted = {"attn1": config.merge_attn or config.method == "downsample",
+              "attn2": config.merge_crossattn and config.method == "merge",
+              "ff": config.merge_mlp and config.method == "merge"}
+    missing = [n for n, on in wanted.items()
+               if on and not isinstance(getattr(block, n, None), nn.Module)]
     if missing:
         return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
     if config.method == "downsample" and (getattr(block, "disable_self_attn", False)
