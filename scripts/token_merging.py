@@ -19,7 +19,7 @@ if _found != _here:
         f"({_here}). Another extension or a pip package named 'tome' was loaded first: "
         "disable that extension or run 'pip uninstall tome' in the WebUI's environment.")
 
-from tome.webui import check_torch, default_ratio, options, runner, ui, xyz
+from tome.webui import check_torch, default_ratio, options, runner, ui, xyz  # noqa: E402
 
 check_torch()
 

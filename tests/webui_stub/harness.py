@@ -6,18 +6,25 @@ import contextlib
 import copy
 import os
 import sys
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from dataclasses import dataclass
-
-import gradio as gr
-import torch
-import xyz_grid
-from modules import errors, processing, script_callbacks, scripts, sd_models, sd_unet, shared
-from modules.infotext_utils import PAIR, parse_generation_parameters
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+import xyz_grid  # noqa: E402
+from modules import (  # noqa: E402
+    errors,
+    processing,
+    script_callbacks,
+    scripts,
+    sd_models,
+    sd_unet,
+    shared,
+)
+from modules.infotext_utils import PAIR, parse_generation_parameters  # noqa: E402
 
 EXT_ROOT = os.path.dirname(os.path.dirname(HERE))
 # Re-exported for the tests, which cannot import the stand-in before this module set sys.path.

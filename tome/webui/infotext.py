@@ -41,7 +41,7 @@ def build(settings: S.ScriptSettings, *, img2img: bool, hires: bool) -> dict[str
     out: dict[str, Any] = {}
     for name, key in CONFIG_KEYS.items():
         value = getattr(cfg, name)
-        if name == "ratio" and cfg.method == "merge" or value != getattr(_DEFAULTS, name) and not _irrelevant(cfg, name):
+        if not _irrelevant(cfg, name) and (name == "ratio" or value != getattr(_DEFAULTS, name)):
             out[key] = value
     if second is not None:
         if settings.hires_only:

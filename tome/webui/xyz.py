@@ -43,7 +43,7 @@ def confirm(name: str) -> Callable[[Any, list], None]:
         for x in xs:
             values = dict(zip(("sx", "sy"), parse_stride(x))) if name == "stride" else {name: x}
             if name in ("ratio", "hr_ratio"):
-                values.update(sx=4, sy=4)  # the widest stride allowed by the UI; checked again later
+                values.update(sx=4, sy=4)  # the most a 4x4 stride allows; checked again later
             from_dict({"enabled": True, **values})
     return check
 
@@ -56,7 +56,7 @@ def axes(xyz: Any) -> list[Any]:
         A(PREFIX + "Ratio", float, set_value("ratio"), confirm=confirm("ratio")),
         A(PREFIX + "Hires ratio", float, set_value("hr_ratio"), confirm=confirm("hr_ratio")),
         A(PREFIX + "Stride", str, set_value("stride"), confirm=confirm("stride"),
-          choices=lambda: ["2x2", "2x1", "1x2", "3x3", "4x4"]),
+          choices=lambda: ["2x2", "2x1", "1x2", "3x2", "2x3", "3x3", "4x2", "2x4", "4x4"]),
         A(PREFIX + "Max downsample", str, set_value("max_downsample"),
           confirm=confirm("max_downsample"), choices=lambda: [AUTO, "1", "2", "4", "8"]),
         A(PREFIX + "Method", str, set_value("method"), confirm=confirm("method"),

@@ -123,7 +123,8 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
     def __init__(self, enable_hr=False, hr_scale=2.0, denoising_strength=0.5,
                  hr_second_pass_steps=0, firstpass_image=None, **kwargs):
         self.enable_hr, self.hr_scale = enable_hr, hr_scale
-        self.denoising_strength, self.hr_second_pass_steps = denoising_strength, hr_second_pass_steps
+        self.denoising_strength = denoising_strength
+        self.hr_second_pass_steps = hr_second_pass_steps
         self.firstpass_image = firstpass_image
         self.is_hr_pass = False
         self.hr_model = None  # a hires checkpoint, loaded before the hires pass
