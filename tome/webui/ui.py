@@ -53,10 +53,10 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
             value=getattr(_DEFAULTS, name) if value is None else value, label=LABELS[name],
             elem_id=script.elem_id(name), scale=scale)
 
-    def radio(name: str, choices: tuple) -> None:
+    def radio(name: str, choices: tuple, scale: int = 1) -> None:
         value = getattr(_DEFAULTS, name)
         c[name] = gr.Radio(choices=list(choices), value=AUTO if value is None else str(value),
-                           label=LABELS[name], elem_id=script.elem_id(name))
+                           label=LABELS[name], elem_id=script.elem_id(name), scale=scale)
 
     def checkbox(name: str, value: bool | None = None) -> None:
         c[name] = gr.Checkbox(value=getattr(_DEFAULTS, name) if value is None else value,
@@ -70,8 +70,8 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
             slider("sx")
             slider("sy")
         with gr.Row():
-            radio("max_downsample", _FIELDS["max_downsample"].metadata["choices"])
-            radio("method", _FIELDS["method"].metadata["choices"])
+            radio("max_downsample", _FIELDS["max_downsample"].metadata["choices"], scale=3)
+            radio("method", _FIELDS["method"].metadata["choices"], scale=2)
         with gr.Row():
             slider("start")
             slider("end")
