@@ -14,6 +14,7 @@ denoising photos it never saw (needs the photo packages; skipped when unavailabl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -127,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m tome.showcase" + (" " + " ".join(argv if argv is not None
                                                       else sys.argv[1:])).rstrip()
     text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), ""]
-    text.append("Time: median seconds to sample one image (all steps); speed-up: unmerged / "
-                "setting. MSE, PSNR, SSIM: final images against the unmerged images from the "
-                "same seeds (MSE lower, PSNR/SSIM higher = closer).")
+    clock = ("CPU seconds of the sampling thread, so other processes on a busy machine do "
+             "not inflate it; on an idle machine it equals wall time" if rows[0]["clock"] == "cpu"
+             else "wall-clock seconds")
+    text.append(f"Time: median time to sample one image ({a.steps} steps; {clock}), settings "
+                "interleaved. Speed-up: unmerged time / setting time. MSE, PSNR, SSIM: final "
+                "images against the unmerged images from the same seeds (MSE lower, PSNR and "
+                "SSIM higher = closer).")
     if heldout is not None:
         text.append(f"Loss Δ: relative increase of the denoising loss on {len(heldout[1])} "
                     "held-out photo crops at each timestep t (0 = clean, 1000 = pure noise), "
@@ -144,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                  "one call at t=500):", "", bench.markdown_table(sd_rows)]
     table = "\n".join(text)
     (out / "table.md").write_text(table + "\n")
+    raw = [{k: v for k, v in r.items() if k != "images"} for r in rows]
+    (out / "rows.json").write_text(json.dumps({"command": cmd.strip(), "rows": raw}, indent=1,
+                                              default=str) + "\n")
     print(table)
     print()
     for name in ("grid.png", "quality_vs_speed.png", "table.md"):
