@@ -296,15 +296,24 @@ def _num(v: float, fmt: str) -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (images and raw times left out)."""
+    """The rows as a Markdown table (images and raw times left out).
+
+    Loss columns appear when the rows have held-out losses, an SD1.5 column when
+    ``sd_deviation`` was added to them (see ``python -m tome.showcase --sd``).
+    """
     ts = list(rows[0].get("loss", {}))
     head = ["setting", "s / image", "speed-up", "MSE", "PSNR (dB)", "SSIM"]
     head += [f"loss Δ t={t}" for t in ts]
+    sd = "sd_deviation" in rows[0]
+    if sd:
+        head.append("SD1.5 deviation")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["setting"], f"{r['time']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['mse']:.5f}", _num(r["psnr"], ".1f"), f"{r['ssim']:.3f}"]
         cells += [f"{100 * r['loss_increase'][t]:+.1f}%" for t in ts]
+        if sd:
+            cells.append(f"{r['sd_deviation']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -325,7 +334,7 @@ def caption(row: dict[str, Any], j: int) -> list[str]:
         return [row["setting"], f"{t:.1f} s", "reference"]
     p, s = row["per_image"]["psnr"][j], row["per_image"]["ssim"][j]
     return [row["setting"], f"{t:.1f} s ({row['speedup']:.2f}x)",
-            f"PSNR {_num(p, '.1f')}  SSIM {s:.2f}"]
+            f"PSNR {_num(p, '.1f')}  SSIM {s:.3f}"]
 
 
 def grid_image(rows: Sequence[dict[str, Any]], scale: int = 3, row_labels=None):

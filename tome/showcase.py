@@ -115,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                             progress=progress)
     print(file=sys.stderr)
 
+    if a.sd:
+        progress(f"SD1.5 UNet at {a.sd_size} px: output deviation")
+        sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size)
+        print(file=sys.stderr)
+        for r, sd in zip(rows, sd_rows):
+            r["sd_deviation"], r["sd_speedup"] = sd["deviation"], sd["speedup"]
+
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [f"{names[c]} #{s}" for c, s in rows[0]["jobs"]]
@@ -140,13 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     "held-out photo crops at each timestep t (0 = clean, 1000 = pure noise), "
                     "same noise for every setting.")
     if a.sd:
-        from . import bench
-
-        progress("SD1.5 UNet: output deviation")
-        sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size)
-        print(file=sys.stderr)
-        text += ["", f"Output deviation on the SD1.5 UNet ({a.sd_size} px, random weights, "
-                 "one call at t=500):", "", bench.markdown_table(sd_rows)]
+        text.append(f"SD1.5 deviation: ||out - unmerged|| / ||unmerged|| of one call of the "
+                    f"SD1.5 UNet at {a.sd_size} px (random weights, bf16, t=500; "
+                    "`tome.bench`).")
     table = "\n".join(text)
     (out / "table.md").write_text(table + "\n")
     raw = [{k: v for k, v in r.items() if k != "images"} for r in rows]
