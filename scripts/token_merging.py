@@ -24,6 +24,8 @@ from tome.webui import check_torch, default_ratio, options, runner, ui, xyz  # n
 check_torch()
 
 DISABLED = bool(getattr(shared.cmd_opts, "tome_disable", False))
+# WebUI < 1.10 has no hook right before each sampler call: patch per batch and before hires.
+LEGACY = not hasattr(scripts.Script, "process_before_every_sampling")
 DEFAULT_RATIO = default_ratio(getattr(shared.cmd_opts, "tome_default_ratio", None))
 
 
@@ -51,6 +53,14 @@ class ToMeScript(scripts.Script):
 
     def process_before_every_sampling(self, p, *args, **kwargs):
         runner.before_sampling(p)
+
+    def process_batch(self, p, *args, **kwargs):
+        if LEGACY:
+            runner.before_sampling(p)
+
+    def before_hr(self, p, *args):
+        if LEGACY:
+            runner.before_sampling(p)
 
     def postprocess(self, p, processed, *args):
         runner.after_generation(p)

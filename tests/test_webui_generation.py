@@ -239,3 +239,19 @@ def test_block_shadowed_by_another_extension_is_skipped_with_a_note(webui):
     block._forward = block._forward  # what ControlNet's reference-only leaves behind
     res = webui.generate(tome=on())
     assert "ToMe skipped: \"1 block(s)" in res.info
+
+
+def test_webui_before_1_10_patches_per_batch_and_before_hires(monkeypatch):
+    from webui_stub.harness import scripts
+
+    monkeypatch.delattr(scripts.Script, "process_before_every_sampling")
+    webui = WebUI()
+    res = webui.generate(tome=on(ratio=0.3, hr_ratio=0.6), enable_hr=True, n_iter=2)
+    assert passes(webui) == [(False, 0.3), (True, 0.6), (False, 0.3), (True, 0.6)]
+    assert "ToMe hr ratio: 0.6" in res.info and not tome.is_patched(shared.sd_model)
+    webui.calls.clear()
+    webui.generate(tome=on(hires_only=True), enable_hr=True)
+    assert passes(webui) == [(False, None), (True, 0.5)]
+    webui.calls.clear()
+    webui.generate("img2img", tome=on(ratio=0.4))
+    assert passes(webui) == [(False, 0.4)]

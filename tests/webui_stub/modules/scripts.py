@@ -142,7 +142,8 @@ class ScriptRunner:
 
     def _call(self, hook, p, *extra, **kwargs):
         for script in self.alwayson_scripts:
-            if getattr(type(script), hook) is getattr(Script, hook):
+            if getattr(type(script), hook) is getattr(Script, hook, None) \
+                    or not hasattr(Script, hook):  # a hook this WebUI version does not have
                 continue
             try:
                 args = p.script_args[script.args_from:script.args_to]
