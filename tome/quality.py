@@ -12,6 +12,7 @@ from image to image, so slow phases of a shared machine hit every setting alike.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -395,7 +396,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
         return r[key]
 
     for ax, (key, label) in zip(axes, panels):
-        for (name, g), marker in zip(groups.items(), "osD^v<>p*h"):
+        for (name, g), marker in zip(groups.items(), itertools.cycle("osD^v<>p*hX")):
             g = sorted(g, key=lambda r: r["speedup"])
             xs, ys = [r["speedup"] for r in g], [y_of(r, key) for r in g]
             ax.plot(xs, ys, marker=marker, ls="-" if len(g) > 1 else "", label=name)
@@ -406,10 +407,13 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
             ax.axhline(0, color="grey", lw=0.8, ls="--")
         ax.set(xlabel="speed-up vs unmerged (sampling time)", ylabel=label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if len(groups) <= 5:
+        axes[0].legend(fontsize=8)
+    else:  # many settings: keep the points visible
+        axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
