@@ -211,6 +211,14 @@ def test_sd_unet_replacement_is_skipped_with_a_note(webui, capsys):
     assert capsys.readouterr().out.count("ToMe: skipped") == 1
 
 
+def test_forge_model_is_skipped_not_patched(capsys):
+    model = tiny_model()
+    model.forge_objects = object()
+    webui = WebUI(model)
+    res = webui.generate(tome=on())
+    assert all(c.config is None for c in webui.calls) and "Forge is not supported" in res.info
+
+
 def test_model_without_transformer_blocks_is_skipped(capsys):
     dit = torch.nn.Module()
     dit.model = torch.nn.Module()

@@ -218,6 +218,8 @@ def _unsupported(model: Any) -> str | None:
         return f"an SD Unet replacement ({name}) runs instead of the PyTorch UNet"
     if getattr(model, "is_sd3", False):
         return "SD3 has no UNet transformer blocks (MMDiT)"
+    if hasattr(model, "forge_objects"):
+        return "Forge is not supported yet (its UNet is changed only through Forge's patcher)"
     return None
 
 
