@@ -276,11 +276,12 @@ def evaluate(
 
 
 def sd_deviation(settings: Sequence[Setting], model: str = "sd15", size: int = 512,
-                 dtype: str = "bf16", repeats: int = 1, progress: bool = False):
+                 dtype: str = "bf16", repeats: int = 0, progress: bool = False):
     """The same settings on an SD-shaped UNet (random weights) with ``tome.bench``.
 
-    Returns bench rows: ``deviation`` is ||out - unmerged|| / ||unmerged|| of one UNet call,
-    ``speedup`` the UNet's speed-up. Render them with ``tome.bench.markdown_table``.
+    Returns bench rows: ``deviation`` is ||out - unmerged|| / ||unmerged|| of one UNet call
+    (at t=500, so a timestep window ending before the middle leaves it unchanged). Speed is
+    only timed with ``repeats`` > 0; ``python -m tome.bench`` measures it properly.
     """
     from . import bench
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size)
         print(file=sys.stderr)
         for r, sd in zip(rows, sd_rows):
-            r["sd_deviation"], r["sd_speedup"] = sd["deviation"], sd["speedup"]
+            r["sd_deviation"] = sd["deviation"]
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
