@@ -107,6 +107,27 @@ def plot(out: Path, phase_starts: list[int]) -> None:
     plt.close(fig)
 
 
+def save_grid(weights: Path, path: Path, steps: int = 25, seed: int = 0, guidance=1.0) -> None:
+    """Sample 2 images per class (one row per class pair) into a labelled PNG, 3x upscaled."""
+    from PIL import Image, ImageDraw
+
+    from .model import load_model, sample
+
+    model = load_model(weights)
+    classes = model.config["classes"]
+    ids = [c for c in range(len(classes)) for _ in range(2)]
+    imgs = sample(model, ids, seed=seed, steps=steps, guidance=guidance)
+    tiles = (imgs * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    s, pad, label = 64 * 3, 4, 14
+    grid = Image.new("RGB", (len(ids) * (s + pad) + pad, s + label + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, tile in enumerate(tiles):
+        x = pad + i * (s + pad)
+        grid.paste(Image.fromarray(tile).resize((s, s), Image.NEAREST), (x, label))
+        draw.text((x + 2, 1), classes[ids[i]], fill="black")
+    grid.save(path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -127,7 +148,19 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--cache", type=Path, default=None, help="photo cache directory")
+    ap.add_argument(
+        "--grid",
+        type=Path,
+        default=None,
+        help="only write OUT/samples.png from these weights (no training)",
+    )
+    ap.add_argument("--guidance", type=float, default=1.0, help="CFG scale for --grid")
     args = ap.parse_args(argv)
+    if args.grid is not None:
+        torch.set_num_threads(1)
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_grid(args.grid, args.out / "samples.png", seed=args.seed, guidance=args.guidance)
+        return
 
     torch.set_num_threads(1)  # other work shares this machine: keep to one core
     torch.set_num_interop_threads(1)
