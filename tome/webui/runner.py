@@ -65,13 +65,13 @@ def before_process(p: Any, args: Sequence[Any]) -> None:
     model = _current_model(p)
     if model is not None and is_patched(model):  # patched by an earlier instance of this code
         remove_patch(model)
-    _guard_close(p)
     try:
         settings = parse_args(args, getattr(p, XYZ_ATTR, None))
     except ValueError as e:
         _fail_generation(p, e)
         return
     if settings.enabled:
+        _guard_close(p)
         _disable_builtin(p)
 
 
