@@ -200,6 +200,8 @@ def describe(f: dataclasses.Field) -> str:
         return "one of " + ", ".join(map(str, m["choices"]))
     if isinstance(f.default, bool):
         return "true or false"
+    if f.name == "ratio":
+        return "a number in [0, 1 - 1/(sx*sy)] (0.75 for a 2x2 stride)"
     if "minimum" in m:
         hi = m.get("maximum", "max")
         kind = "an integer" if isinstance(f.default, int) else "a number"

@@ -16,7 +16,6 @@ tomesd's odd batches produce artifacts), and the global RNG is never touched.
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -27,8 +26,6 @@ from torch import nn
 
 from . import merge
 from .config import ToMeConfig
-
-log = logging.getLogger("tome")
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
 BLOCK_CLASS = "BasicTransformerBlock"
@@ -396,7 +393,9 @@ def apply(model: Any, config: ToMeConfig) -> Any:
             if ds:
                 report.levels[ds] = report.levels.get(ds, 0) + 1
     if report.skipped:
-        log.warning("ToMe: skipped %d block(s): %s", len(report.skipped), report.skipped[0][1])
+        # warnings shows an identical message once, so hosts re-applying per pass do not spam.
+        warnings.warn(f"ToMe: skipped {len(report.skipped)} of {len(blocks)} block(s): "
+                      f"{report.skipped[0][1]}", stacklevel=3)
     if config.max_downsample is not None and known and not report.levels:
         warnings.warn(f"ToMe: max_downsample={config.max_downsample} merges nothing on this "
                       f"model (its transformer blocks are at downsample {known}); use "
