@@ -530,7 +530,7 @@ def matching_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {names.get(r['impl'], r['impl'])} | {r['median']:.3f} | "
-                     f"{r['vs_tomesd']:.1f}x | {_mib(r['peak'])} |")
+                     f"{_x(r['vs_tomesd'], 1)} | {_mib(r['peak'])} |")
     return "\n".join(lines)
 
 
@@ -542,8 +542,10 @@ def _mib(b: float | None) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
-def _x(v: float) -> str:
-    return "–" if v is None or math.isnan(v) else f"**{v:.2f}x**" if v >= 1.0 else f"{v:.2f}x"
+def _x(v: float, digits: int = 2) -> str:
+    if v is None or math.isnan(v):
+        return "–"
+    return f"**{v:.{digits}f}x**" if v >= 1.0 else f"{v:.{digits}f}x"
 
 
 def machine() -> str:

@@ -42,7 +42,8 @@ def do_nothing(x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
 
 
 def random_cells(h: int, w: int, sx: int, sy: int, generator: torch.Generator) -> torch.Tensor:
-    """One random destination per ``sy x sx`` cell: a ``(h // sy, w // sx)`` tensor in [0, sx*sy)."""
+    """One random destination per ``sy x sx`` cell: a ``(h // sy, w // sx)`` tensor in
+    [0, sx*sy)."""
     return torch.randint(sx * sy, (h // sy, w // sx), generator=generator,
                          device=generator.device)
 
@@ -108,7 +109,7 @@ def global_match(metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Ten
     """
     B, _, C = metric.shape
     b = metric[:, dst_idx]
-    b = b / b.norm(dim=-1, keepdim=True)
+    b.div_(b.norm(dim=-1, keepdim=True))  # in place: the gather is already a copy
     bt = b.transpose(-1, -2)
     chunk = _chunk_rows(b.shape[1] + C, B, max(metric.element_size(), 4))
     maxes, idxs = [], []
@@ -142,9 +143,10 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     dev, S = metric.device, sx * sy
     # Destinations in cell order (one per cell); results are mapped back to dst_idx positions.
     by_cell = cell_of(dst_idx, w, sx, sy, hsy, wsx).argsort()
-    d = metric[:, dst_idx[by_cell]]
-    d = d / d.norm(dim=-1, keepdim=True)
-    grid = F.pad(d.view(B, hsy, wsx, C), (0, 0, 1, 1, 1, 1))  # zero ring of cells
+    grid = metric.new_zeros(B, hsy + 2, wsx + 2, C)  # a zero ring of cells around the grid
+    inner = grid[:, 1:-1, 1:-1]
+    inner.copy_(metric[:, dst_idx[by_cell]].view(B, hsy, wsx, C))
+    inner.div_(inner.norm(dim=-1, keepdim=True))
     # -inf for neighbours outside the grid; [hsy, wsx, 9]
     ok = torch.ones(hsy + 2, wsx + 2, dtype=torch.bool, device=dev)
     ok[0], ok[-1], ok[:, 0], ok[:, -1] = False, False, False, False
@@ -301,7 +303,8 @@ def matcher(matching: str, h: int, w: int, sx: int, sy: int):
 
 
 def grid_size(tokens: int, height: int, width: int) -> tuple[int, int, int]:
-    """The ``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a ``height x width`` latent.
+    """The ``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a ``height x width``
+    latent.
 
     ``ceil`` mirrors the UNet's stride-2 convolutions with padding, so odd sizes work.
     """
