@@ -211,12 +211,20 @@ def test_sd_unet_replacement_is_skipped_with_a_note(webui, capsys):
     assert capsys.readouterr().out.count("ToMe: skipped") == 1
 
 
-def test_forge_model_is_skipped_not_patched(capsys):
+def test_forge_model_is_patched_through_its_patcher(capsys):
+    from test_forge import Patcher
+
+    from tome import forge
     model = tiny_model()
-    model.forge_objects = object()
+    model.forge_objects = type("ForgeObjects", (), {})()
+    model.forge_objects.unet = original = Patcher(model.model.diffusion_model)
     webui = WebUI(model)
-    res = webui.generate(tome=on())
-    assert all(c.config is None for c in webui.calls) and "Forge is not supported" in res.info
+    res = webui.generate(tome=on(ratio=0.4))
+    patched = model.forge_objects.unet
+    assert patched is not original and getattr(patched, forge.MARK).config.ratio == 0.4
+    assert not original.patches["attn1_patch"] and not tome.is_patched(model)
+    assert "ToMe ratio: 0.4" in res.info
+    assert capsys.readouterr().out.count("ToMe: Forge UNet (attn1 patch), first pass") == 1
 
 
 def test_model_without_transformer_blocks_is_skipped(capsys):

@@ -118,6 +118,9 @@ def before_sampling(p: Any) -> None:
     if cfg is None:
         _unpatch(model)
         return
+    if hasattr(model, "forge_objects"):
+        _patch_forge(model, plan, cfg)
+        return
     reason = _unsupported(model)
     if reason is None:
         try:
@@ -218,9 +221,20 @@ def _unsupported(model: Any) -> str | None:
         return f"an SD Unet replacement ({name}) runs instead of the PyTorch UNet"
     if getattr(model, "is_sd3", False):
         return "SD3 has no UNet transformer blocks (MMDiT)"
-    if hasattr(model, "forge_objects"):
-        return "Forge is not supported yet (its UNet is changed only through Forge's patcher)"
     return None
+
+
+def _patch_forge(model: Any, plan: Plan, cfg: Any) -> None:
+    """Forge rebuilds its UNet patcher before every pass: add our patches to that pass's clone."""
+    from .. import forge
+    unet, patch = forge.patch_unet(model.forge_objects.unet, cfg)
+    model.forge_objects.unet = unet
+    if patch is not None and not plan.announced:
+        plan.announced = True
+        what = f"ratio {cfg.ratio:g}" if cfg.method == "merge" \
+            else f"downsample x{cfg.downsample_factor}"
+        print(f"ToMe: Forge UNet (attn1 patch), {plan.passes()}; {what} at downsample <= "
+              f"{patch.max_downsample}; seed {cfg.seed}")
 
 
 def _skip(p: Any, plan: Plan, reason: str) -> None:

@@ -1,0 +1,99 @@
+"""The Forge adapter, against a stand-in of Forge's patcher contract (webui-host-contract.md):
+``clone()``, ``set_model_attn1_patch(fn(n, k, v, extra))``, ``set_model_attn1_output_patch(fn(n,
+extra))``, and a block that calls them around self-attention with ``extra["original_shape"]``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import TINY_SD15, ldm_unet
+
+from tome import forge, merge
+from tome.config import ToMeConfig
+
+
+class Patcher:
+    """Forge's UnetPatcher as the contract describes it: clones share the model."""
+
+    def __init__(self, diffusion_model):
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = diffusion_model
+        self.patches = {"attn1_patch": [], "attn1_output_patch": []}
+
+    def clone(self):
+        c = copy.copy(self)
+        c.patches = {k: list(v) for k, v in self.patches.items()}
+        return c
+
+    def set_model_attn1_patch(self, fn):
+        self.patches["attn1_patch"].append(fn)
+
+    def set_model_attn1_output_patch(self, fn):
+        self.patches["attn1_output_patch"].append(fn)
+
+
+def self_attention_block(patcher, x, shape, sigma=1.0, cross=None):
+    """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention)."""
+    n = F.layer_norm(x, x.shape[-1:])
+    k = v = n if cross is None else cross
+    extra = {"original_shape": list(shape), "sigmas": torch.tensor([sigma])}
+    for p in patcher.patches["attn1_patch"]:
+        n, k, v = p(n, k, v, extra)
+    out = F.scaled_dot_product_attention(n, k, v)
+    for p in patcher.patches["attn1_output_patch"]:
+        out = p(out, extra)
+    return x + out
+
+
+@pytest.fixture
+def patcher():
+    return Patcher(ldm_unet(TINY_SD15))
+
+
+def test_merges_self_attention_like_the_plan(patcher):
+    x = torch.randn(2, 16 * 16, 8)
+    unet, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, use_rand=False))
+    assert patch.max_downsample == 1 and not patcher.patches["attn1_patch"]  # original untouched
+    out = self_attention_block(unet, x, (2, 4, 16, 16))
+    n = F.layer_norm(x, x.shape[-1:])
+    src, dst = merge.partition(16, 16, 2, 2)
+    plan = merge.Plan(n, src, dst, 128)
+    m = plan.merge(n)
+    expected = x + plan.unmerge(F.scaled_dot_product_attention(m, m, m))
+    torch.testing.assert_close(out, expected)
+    assert patch.tokens == {1: (256, 128)}
+
+
+def test_deeper_levels_and_cross_attention_attn1(patcher):
+    unet, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5))
+    x = torch.randn(2, 8 * 8, 8)  # a ds2 block of a 16x16 latent: not merged at auto (1)
+    base = self_attention_block(Patcher(None), x, (2, 4, 16, 16))
+    assert torch.equal(self_attention_block(unet, x, (2, 4, 16, 16)), base)
+    ctx = torch.randn(2, 5, 8)  # disable_self_attn: attn1 attends to the context, queries merge
+    out = self_attention_block(unet, torch.randn(2, 256, 8), (2, 4, 16, 16), cross=ctx)
+    assert out.shape == (2, 256, 8)
+
+
+def test_downsample_pools_keys_and_values(patcher):
+    unet, patch = forge.patch_unet(patcher, ToMeConfig(method="downsample", downsample_factor=2))
+    seen = []
+    unet.set_model_attn1_patch(lambda n, k, v, e: (seen.append(k.shape), (n, k, v))[1])
+    x = torch.randn(2, 256, 8)
+    assert self_attention_block(unet, x, (2, 4, 16, 16)).shape == x.shape
+    assert seen == [torch.Size([2, 64, 8])]
+
+
+def test_idempotent_inactive_and_seeded(patcher):
+    unet, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))
+    assert forge.patch_unet(unet, ToMeConfig(ratio=0.5, seed=3)) == (unet, patch)
+    assert len(unet.patches["attn1_patch"]) == 1
+    assert forge.patch_unet(patcher, ToMeConfig(ratio=0.0)) == (patcher, None)
+    x = torch.randn(2, 256, 8)
+    state = torch.get_rng_state()
+    a = self_attention_block(unet, x, (2, 4, 16, 16), sigma=2.0)
+    b = self_attention_block(forge.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))[0], x,
+                             (2, 4, 16, 16), sigma=2.0)
+    assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
