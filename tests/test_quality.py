@@ -96,7 +96,7 @@ def test_quality_worsens_with_the_ratio(model):
     settings = quality.settings_from(["merge:0.25", "merge:0.75", "downsample:2",
                                       "downsample:4"])
     heldout = _heldout()
-    rows = quality.evaluate(model, settings, [0, 1], seeds=[0], steps=6, size=32,
+    rows = quality.evaluate(model, settings, [(0, 0), (1, 1)], steps=6, size=32,
                             heldout=heldout, timesteps=(300, 700))
     by = {r["setting"]: r for r in rows}
     base = by["unmerged"]

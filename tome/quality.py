@@ -6,7 +6,7 @@ denoising loss on held-out photos shows whether merging makes it a worse denoise
 only a different one. Sampling is timed per image, with the settings' order alternating
 from image to image, so slow phases of a shared machine hit every setting alike.
 
-    rows = evaluate(model, default_settings(), class_ids=[0, 1, 2, 3], seeds=[0])
+    rows = evaluate(model, default_settings(), images=[(0, 0), (1, 1), (2, 2), (3, 3)])
     print(markdown_table(rows)); grid_image(rows).save("grid.png"); plot(rows, "plot.png")
 """
 
@@ -181,8 +181,7 @@ def _patched(model, setting: Setting, seed: int):
 def evaluate(
     model,
     settings: Sequence[Setting],
-    class_ids: Sequence[int],
-    seeds: Sequence[int] = (0,),
+    images: Sequence[tuple[int, int]],
     steps: int = 20,
     size: int = 64,
     bf16: bool = False,
@@ -194,8 +193,9 @@ def evaluate(
 ) -> list[dict[str, Any]]:
     """One row per setting: times, speed-up, MSE/PSNR/SSIM vs unmerged, held-out loss.
 
-    Each (class, seed) image is sampled alone under every setting, in alternating order
-    (forward for even images, backward for odd), after a one-step warm-up of each setting.
+    ``images``: (class id, seed) of each image. Each is sampled alone under every setting,
+    in alternating order (forward for even images, backward for odd), after a one-step
+    warm-up of each setting.
     ``heldout`` = (images in [0, 1], class ids): the denoising loss is measured at each of
     ``timesteps`` with fixed noise (``loss_seed``); rows get the loss and its relative
     increase over the unmerged model. Rows also carry the images, for ``grid_image``.
@@ -212,16 +212,16 @@ def evaluate(
     now = time.thread_time if clock == "cpu" else time.perf_counter
     if not settings or not settings[0].unmerged:
         raise ValueError("the first setting must be the unmerged reference")
-    jobs = [(c, s) for s in seeds for c in class_ids]
+    jobs = [(int(c), int(s)) for c, s in images]
     n = len(settings)
     times: list[list[float]] = [[] for _ in range(n)]
-    images: list[list[torch.Tensor]] = [[None] * len(jobs) for _ in range(n)]
+    out: list[list[torch.Tensor]] = [[None] * len(jobs) for _ in range(n)]
     say = progress or (lambda _msg: None)
 
     for st in settings:  # warm-up: first-call costs are not timed
         _patched(model, st, 0)
         try:
-            sample(model, [class_ids[0]], seed=0, steps=1, size=size, bf16=bf16)
+            sample(model, [jobs[0][0]], seed=0, steps=1, size=size, bf16=bf16)
         finally:
             tome.remove_patch(model)
     for j, (c, s) in enumerate(jobs):
@@ -235,13 +235,13 @@ def evaluate(
                 times[i].append(now() - t0)
             finally:
                 tome.remove_patch(model)
-            images[i][j] = img[0]
+            out[i][j] = img[0]
 
-    ref = torch.stack(images[0])
+    ref = torch.stack(out[0])
     base_time = statistics.median(times[0])
     rows = []
     for i, st in enumerate(settings):
-        imgs = torch.stack(images[i])
+        imgs = torch.stack(out[i])
         p = psnr(imgs, ref)
         finite = p[torch.isfinite(p)]
         med = statistics.median(times[i])
@@ -312,7 +312,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["setting"], f"{r['time']:.2f}", f"{r['speedup']:.2f}x",
-                 f"{r['mse']:.5f}", _num(r["psnr"], ".1f"), f"{r['ssim']:.3f}"]
+                 f"{r['mse']:.1e}", _num(r["psnr"], ".1f"), f"{r['ssim']:.3f}"]
         cells += [f"{100 * r['loss_increase'][t]:+.1f}%" for t in ts]
         if sd:
             cells.append(f"{r['sd_deviation']:.3f}")

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out/showcase", help="output folder (default out/showcase)")
     p.add_argument("--steps", type=int, default=20, help="DDIM steps (default 20)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--seeds", default="0",
+                   help="comma-separated seeds; one image per class and seed, class k "
+                        "using seed+k, so rows differ (default 0)")
     p.add_argument("--classes", default=None, help="class ids (default: all four)")
     p.add_argument("--size", type=int, default=64, help="image size (default 64)")
     p.add_argument("--threads", type=int, default=1,
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     heldout, why = (None, "--heldout 0") if a.heldout <= 0 else _heldout(a.heldout, a.size,
                                                                          a.cache)
-    n_img = len(classes) * len(seeds)
+    images = [(c, s + k) for s in seeds for k, c in enumerate(classes)]
+    n_img = len(images)
     print(f"tiny diffusion model ({tinyldm.num_params(model) / 1e6:.1f}M parameters, "
           f"{trained} training steps), {n_img} image(s) x {len(settings)} settings, "
           f"{a.steps} DDIM steps, {a.size}x{a.size}, {'bf16' if bf16 else 'fp32'}, "
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\r[{time.perf_counter() - t0:5.0f} s] {msg:<60}", end="", file=sys.stderr,
               flush=True)
 
-    rows = quality.evaluate(model, settings, classes, seeds, steps=a.steps, size=a.size,
+    rows = quality.evaluate(model, settings, images, steps=a.steps, size=a.size,
                             bf16=bf16, heldout=heldout, timesteps=timesteps,
                             progress=progress)
     print(file=sys.stderr)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    labels = [f"{names[c]} #{s}" for c, s in rows[0]["jobs"]]
+    labels = [f"{names[c]}, seed {s}" for c, s in images]
     grid = quality.grid_image(rows, row_labels=labels)
     grid.save(out / "grid.png")
     what = (f"tiny diffusion model, {a.size}x{a.size}, {a.steps} DDIM steps, {n_img} image(s), "
