@@ -131,3 +131,20 @@ def test_showcase_quick_writes_grid_plot_and_table(model, tmp_path, capsys):
         assert im.width > 3 * 96 and im.height > 2 * 96  # 3 settings x 2 images, upscaled
     assert (tmp_path / "quality_vs_speed.png").stat().st_size > 10_000
     assert "downsample x2" in (tmp_path / "table.md").read_text()
+
+
+def test_equal_speed_interpolates_from_the_unmerged_point():
+    def row(setting, group, speedup, mse, ssim):
+        return {"setting": setting, "group": group, "unmerged": not group, "speedup": speedup,
+                "mse": mse, "ssim": ssim}
+
+    rows = [row("unmerged", "", 1.0, 0.0, 1.0), row("merge 0.5", "merge", 2.0, 1e-3, 0.9),
+            row("downsample x2", "downsample", 3.0, 1e-4, 0.99)]
+    pts = {(p["group"], p["speedup"]): p for p in quality.at_equal_speed(rows, (1.5, 2.5))}
+    assert pts["merge", 1.5]["mse"] == pytest.approx(5e-4)
+    assert pts["merge", 1.5]["psnr"] == pytest.approx(10 * math.log10(1 / 5e-4))
+    assert pts["merge", 1.5]["ssim"] == pytest.approx(0.95)
+    assert "mse" not in pts["merge", 2.5]  # never extrapolated
+    assert pts["downsample", 2.5]["mse"] == pytest.approx(0.75e-4)
+    table = quality.equal_speed_table(rows, (1.5, 2.5))
+    assert "| merge | 33.0 dB, SSIM 0.9500 | – (not that fast) |" in table

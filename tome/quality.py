@@ -312,10 +312,65 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["setting"], f"{r['time']:.2f}", f"{r['speedup']:.2f}x",
-                 f"{r['mse']:.1e}", _num(r["psnr"], ".1f"), f"{r['ssim']:.3f}"]
+                 f"{r['mse']:.1e}", _num(r["psnr"], ".1f"), f"{r['ssim']:.4f}"]
         cells += [f"{100 * r['loss_increase'][t]:+.1f}%" for t in ts]
         if sd:
             cells.append(f"{r['sd_deviation']:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def at_equal_speed(rows: Sequence[dict[str, Any]], speedups: Sequence[float] = (1.5, 2.0)
+                   ) -> list[dict[str, Any]]:
+    """Each method's quality at the same speed-ups, interpolated along its points.
+
+    Every method's curve starts at the unmerged point (speed-up 1, MSE 0, SSIM 1: ratio 0
+    is bit-exact), then follows its settings by speed-up; MSE, SSIM and the mean held-out
+    loss increase are interpolated linearly, never extrapolated (None past the fastest).
+    """
+    base = next(r for r in rows if r["unmerged"])
+    groups: dict[str, list] = {}
+    for r in rows:
+        if not r["unmerged"]:
+            groups.setdefault(r["group"], []).append(r)
+    keys = ["mse", "ssim"] + (["loss"] if "loss_increase" in base else [])
+
+    def val(r, k):
+        return sum(r["loss_increase"].values()) / len(r["loss_increase"]) if k == "loss" else r[k]
+
+    out = []
+    for name, g in groups.items():
+        pts = [(1.0, {k: val(base, k) for k in keys})]
+        pts += sorted(((r["speedup"], {k: val(r, k) for k in keys}) for r in g),
+                      key=lambda p: p[0])
+        for x in speedups:
+            row: dict[str, Any] = {"group": name, "speedup": x}
+            for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
+                if x0 <= x <= x1 and x1 > x0:
+                    w = (x - x0) / (x1 - x0)
+                    row.update({k: v0[k] + w * (v1[k] - v0[k]) for k in keys})
+                    break
+            if "mse" in row:
+                row["psnr"] = 10 * math.log10(1 / row["mse"]) if row["mse"] > 0 else math.inf
+            out.append(row)
+    return out
+
+
+def equal_speed_table(rows: Sequence[dict[str, Any]], speedups: Sequence[float] = (1.5, 2.0)
+                      ) -> str:
+    """Markdown: one line per method, PSNR / SSIM (/ loss increase) at each speed-up."""
+    pts = at_equal_speed(rows, speedups)
+    loss = any("loss" in p for p in pts)
+    head = ["method"] + [f"at {x:g}x" for x in speedups]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys(p["group"] for p in pts):
+        cells = [name]
+        for p in (p for p in pts if p["group"] == name):
+            if "mse" not in p:
+                cells.append("– (not that fast)")
+                continue
+            text = f"{_num(p['psnr'], '.1f')} dB, SSIM {p['ssim']:.4f}"
+            cells.append(text + (f", loss {100 * p['loss']:+.2f}%" if loss else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sd", action="store_true",
                    help="also measure the output deviation on the SD1.5 UNet (tome.bench)")
     p.add_argument("--sd-size", type=int, default=512)
+    p.add_argument("--at", default="1.5,2",
+                   help="speed-ups at which to compare the methods (default 1.5,2)")
     p.add_argument("--quick", action="store_true",
                    help="tiny run for tests: 32 px, 4 steps, 2 classes, 3 settings")
     a = p.parse_args(argv)
@@ -137,22 +139,26 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = "python -m tome.showcase" + (" " + " ".join(argv if argv is not None
                                                       else sys.argv[1:])).rstrip()
-    text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), ""]
     clock = ("CPU seconds of the sampling thread, so other processes on a busy machine do "
              "not inflate it; on an idle machine it equals wall time" if rows[0]["clock"] == "cpu"
              else "wall-clock seconds")
-    text.append(f"Time: median time to sample one image ({a.steps} steps; {clock}), settings "
-                "interleaved. Speed-up: unmerged time / setting time. MSE, PSNR, SSIM: final "
-                "images against the unmerged images from the same seeds (MSE lower, PSNR and "
-                "SSIM higher = closer).")
+    notes = [f"Time: median time to sample one image ({a.steps} steps; {clock}), settings "
+             "interleaved. Speed-up: unmerged time / setting time. MSE, PSNR, SSIM: final "
+             "images against the unmerged images from the same seeds (MSE lower, PSNR and "
+             "SSIM higher = closer)."]
     if heldout is not None:
-        text.append(f"Loss Δ: relative increase of the denoising loss on {len(heldout[1])} "
-                    "held-out photo crops at each timestep t (0 = clean, 1000 = pure noise), "
-                    "same noise for every setting.")
+        notes.append(f"Loss Δ: relative increase of the denoising loss on {len(heldout[1])} "
+                     "held-out photo crops at each timestep t (0 = clean, 1000 = pure noise), "
+                     "same noise for every setting.")
     if a.sd:
-        text.append(f"SD1.5 deviation: ||out - unmerged|| / ||unmerged|| of one call of the "
-                    f"SD1.5 UNet at {a.sd_size} px (random weights, bf16, t=500; "
-                    "`tome.bench`).")
+        notes.append(f"SD1.5 deviation: ||out - unmerged|| / ||unmerged|| of one call of the "
+                     f"SD1.5 UNet at {a.sd_size} px (random weights, bf16, t=500; "
+                     "`tome.bench`).")
+    text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), "",
+            *notes, "",
+            "Each method at equal speed-up (interpolated between its settings, starting from "
+            "the unmerged model at 1x; loss: mean of the loss Δ columns):", "",
+            quality.equal_speed_table(rows, [float(x) for x in a.at.split(",")])]
     table = "\n".join(text)
     (out / "table.md").write_text(table + "\n")
     raw = [{k: v for k, v in r.items() if k != "images"} for r in rows]
