@@ -459,13 +459,16 @@ def _patched_blocks(case: Case, v: Variant) -> str:
 
 
 def _derive(rows: list[dict[str, Any]]) -> None:
-    """Speed-ups vs the case's baseline and vs tomesd (same ratio, else the first tomesd)."""
+    """Speed-ups vs the case's baseline and vs tomesd: the tomesd row with the same ratio
+    (merge), else tomesd at its default ratio 0.5 (downsample), else the first tomesd row."""
     base = next((r for r in rows if r["method"] == "baseline"), None)
     tomesd = [r for r in rows if r["method"] == "tomesd"]
     for r in rows:
         r["speedup"] = base["median"] / r["median"] if base else math.nan
-        ref = next((t for t in tomesd if t["value"] == r["value"] and not t["options"]),
-                   tomesd[0] if tomesd else None)
+        want = r["value"] if r["method"] in ("merge", "tomesd") else 0.5
+        ref = next((t for t in tomesd if t["value"] == want and not t["options"]),
+                   next((t for t in tomesd if t["value"] == want),
+                        tomesd[0] if tomesd else None))
         r["vs_tomesd"] = (ref["median"] / r["median"]
                           if ref is not None and r["method"] != "baseline" else math.nan)
 
@@ -589,8 +592,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """Rows from a ``--json`` file, speed-ups recomputed (to re-render tables or plots)."""
+    with open(path) as f:
+        rows = json.load(f)["unet"]
+    for key in sorted({(r["model"], r["size"], r["dtype"], r["batch"]) for r in rows}):
+        _derive([r for r in rows if (r["model"], r["size"], r["dtype"], r["batch"]) == key])
+    return rows
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> str:
-    """Speed-up and deviation against token reduction, one line per method, per case."""
+    """Per case: speed-up and deviation against token reduction, and deviation against
+    speed-up (lower right is better), one line per method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -599,8 +612,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         k = (r["model"], r["size"], r["dtype"], r["batch"])
         if k not in keys:
             keys.append(k)
-    fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.6 * len(keys)), squeeze=False)
-    for (ax1, ax2), k in zip(axes, keys):
+    fig, axes = plt.subplots(len(keys), 3, figsize=(15, 3.8 * len(keys)), squeeze=False)
+    for (ax1, ax2, ax3), k in zip(axes, keys):
         rs = [r for r in rows if (r["model"], r["size"], r["dtype"], r["batch"]) == k]
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in rs:
@@ -614,15 +627,18 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
             xs = [r["reduction"] for r in g]
             ax1.plot(xs, [r["speedup"] for r in g], "o-", label=name)
             ax2.plot(xs, [r["deviation"] for r in g], "o-", label=name)
+            ax3.plot([r["speedup"] for r in g], [r["deviation"] for r in g], "o-", label=name)
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
         title = f"{k[0]} {k[1]}px {k[2]} b{k[3]}"
         ax1.set(title=f"{title}: speed-up", xlabel="tokens removed (ratio; 1-1/f² for "
                 "downsample)", ylabel="speed-up vs baseline")
         ax2.set(title=f"{title}: deviation", xlabel="tokens removed",
                 ylabel="||out - base|| / ||base||")
+        ax3.set(title=f"{title}: deviation vs speed-up", xlabel="speed-up vs baseline",
+                ylabel="||out - base|| / ||base||")
         ax1.legend(fontsize=8)
-        ax1.grid(alpha=0.3)
-        ax2.grid(alpha=0.3)
+        for ax in (ax1, ax2, ax3):
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
