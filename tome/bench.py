@@ -612,6 +612,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         k = (r["model"], r["size"], r["dtype"], r["batch"])
         if k not in keys:
             keys.append(k)
+    colours: dict[str, str] = {}  # one colour per method across all cases
     fig, axes = plt.subplots(len(keys), 3, figsize=(15, 3.8 * len(keys)), squeeze=False)
     for (ax1, ax2, ax3), k in zip(axes, keys):
         rs = [r for r in rows if (r["model"], r["size"], r["dtype"], r["batch"]) == k]
@@ -625,9 +626,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         for name, g in groups.items():
             g = sorted(g, key=lambda r: r["reduction"])
             xs = [r["reduction"] for r in g]
-            ax1.plot(xs, [r["speedup"] for r in g], "o-", label=name)
-            ax2.plot(xs, [r["deviation"] for r in g], "o-", label=name)
-            ax3.plot([r["speedup"] for r in g], [r["deviation"] for r in g], "o-", label=name)
+            style = {"label": name, "color": colours.setdefault(name, f"C{len(colours) % 10}")}
+            ax1.plot(xs, [r["speedup"] for r in g], "o-", **style)
+            ax2.plot(xs, [r["deviation"] for r in g], "o-", **style)
+            ax3.plot([r["speedup"] for r in g], [r["deviation"] for r in g], "o-", **style)
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
         title = f"{k[0]} {k[1]}px {k[2]} b{k[3]}"
         ax1.set(title=f"{title}: speed-up", xlabel="tokens removed (ratio; 1-1/f² for "
