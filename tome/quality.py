@@ -394,8 +394,22 @@ def caption(row: dict[str, Any], j: int) -> list[str]:
             f"PSNR {_num(p, '.1f')}  SSIM {s:.3f}"]
 
 
-def grid_image(rows: Sequence[dict[str, Any]], scale: int = 3, row_labels=None):
-    """A PIL image: one column per setting, one row per (class, seed), captions under each."""
+def _tile(x: torch.Tensor, size: tuple[int, int]):
+    from PIL import Image
+
+    t = (x.float().clamp(0, 1) * 255).round().byte()
+    t = t.expand(3, *t.shape[-2:]) if t.dim() == 2 or t.shape[0] == 1 else t
+    return Image.fromarray(t.permute(1, 2, 0).numpy()).resize(size, Image.NEAREST)
+
+
+def grid_image(rows: Sequence[dict[str, Any]], scale: int = 3, row_labels=None,
+               diff_gain: float = 0):
+    """A PIL image: one column per setting, one row per (class, seed), captions under each.
+
+    ``diff_gain`` > 0 adds under each row its differences from the unmerged image,
+    |image - unmerged| (mean of the channels) times the gain, dark on white: changes far
+    too small to see in the images themselves show where merging acted.
+    """
     from PIL import Image, ImageDraw
 
     ncol, nrow = len(rows), len(rows[0]["jobs"])
@@ -407,24 +421,34 @@ def grid_image(rows: Sequence[dict[str, Any]], scale: int = 3, row_labels=None):
         fs -= 1  # the widest caption fits under its image
     font = _font(fs)
     line = fs + 4
-    cap = 3 * line + 6
     pad = 8
+    block = th + 3 * line + 6 + pad + (th + line + 6 + pad if diff_gain else 0)
     left = 0 if row_labels is None else int(max(font.getlength(t) for t in row_labels)) + pad
-    W = left + pad + ncol * (tw + pad)
-    H = pad + nrow * (th + cap + pad)
-    img = Image.new("RGB", (W, H), "white")
+    img = Image.new("RGB", (left + pad + ncol * (tw + pad), pad + nrow * block), "white")
     draw = ImageDraw.Draw(img)
+    ref = next(r for r in rows if r["unmerged"])["images"]
     for j in range(nrow):
-        y = pad + j * (th + cap + pad)
+        y = pad + j * block
         if row_labels is not None:
             draw.text((pad, y + th // 2 - fs), row_labels[j], fill="black", font=font)
         for i, r in enumerate(rows):
             x = left + pad + i * (tw + pad)
-            tile = (r["images"][j].float().clamp(0, 1) * 255).round().byte()
-            tile = Image.fromarray(tile.permute(1, 2, 0).numpy()).resize((tw, th), Image.NEAREST)
-            img.paste(tile, (x, y))
+            img.paste(_tile(r["images"][j], (tw, th)), (x, y))
             for k, text in enumerate(caption(r, j)):
                 draw.text((x, y + th + 3 + k * line), text, fill="black", font=font)
+            if not diff_gain:
+                continue
+            yd = y + th + 3 * line + 6 + pad
+            if r["unmerged"]:
+                draw.text((x, yd + th // 2 - line), f"differences x{diff_gain:g}",
+                          fill="black", font=font)
+                draw.text((x, yd + th // 2), "(white = same)", fill="black", font=font)
+                continue
+            d = (r["images"][j].float() - ref[j].float()).abs().mean(0) * diff_gain
+            img.paste(_tile(1 - d, (tw, th)), (x, yd))
+            draw.rectangle((x, yd, x + tw - 1, yd + th - 1), outline=(200, 200, 200))
+            mx = (r["images"][j].float() - ref[j].float()).abs().max().item()
+            draw.text((x, yd + th + 3), f"max diff {255 * mx:.0f}/255", fill="black", font=font)
     return img
 
 

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sd", action="store_true",
                    help="also measure the output deviation on the SD1.5 UNet (tome.bench)")
     p.add_argument("--sd-size", type=int, default=512)
+    p.add_argument("--diff", type=float, default=25,
+                   help="grid: also show |image - unmerged| times this (0: off; default 25)")
     p.add_argument("--at", default="1.5,2",
                    help="speed-ups at which to compare the methods (default 1.5,2)")
     p.add_argument("--quick", action="store_true",
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [f"{names[c]}, seed {s}" for c, s in images]
-    grid = quality.grid_image(rows, row_labels=labels)
+    grid = quality.grid_image(rows, row_labels=labels, diff_gain=a.diff)
     grid.save(out / "grid.png")
     what = (f"tiny diffusion model, {a.size}x{a.size}, {a.steps} DDIM steps, {n_img} image(s), "
             f"{'bf16' if bf16 else 'fp32'}")
