@@ -96,8 +96,9 @@ def test_quality_worsens_with_the_ratio(model):
     settings = quality.settings_from(["merge:0.25", "merge:0.75", "downsample:2",
                                       "downsample:4"])
     heldout = _heldout()
+    # t=100: the last, detailed steps, where merging's effect on the loss is largest.
     rows = quality.evaluate(model, settings, [(0, 0), (1, 1)], steps=6, size=32,
-                            heldout=heldout, timesteps=(300, 700))
+                            heldout=heldout, timesteps=(100,))
     by = {r["setting"]: r for r in rows}
     base = by["unmerged"]
     assert base["mse"] == 0 and math.isinf(base["psnr"]) and base["ssim"] == pytest.approx(1)
@@ -105,8 +106,8 @@ def test_quality_worsens_with_the_ratio(model):
         assert 0 < by[low]["mse"] < by[high]["mse"]
         assert by[low]["psnr"] > by[high]["psnr"] and by[low]["ssim"] > by[high]["ssim"]
         if heldout is not None:
-            assert sum(by[low]["loss_increase"].values()) < sum(
-                by[high]["loss_increase"].values())
+            assert 0 < by[high]["loss_increase"][100]
+            assert by[low]["loss_increase"][100] < by[high]["loss_increase"][100]
     assert all(r["speedup"] > 0 for r in rows)
     table = quality.markdown_table(rows)
     assert table.count("\n") == len(rows) + 1 and "merge 0.75" in table
@@ -118,7 +119,7 @@ def _heldout():
 
     if not (data.default_cache_dir() / f"photos{data.SHORT_SIDE}.npz").is_file():
         return None  # only the image figures are checked
-    return data.heldout_batch(4, 32, seed=0)
+    return data.heldout_batch(8, 32, seed=0)
 
 
 def test_showcase_quick_writes_grid_plot_and_table(model, tmp_path, capsys):
