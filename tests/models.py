@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tome.bench import wake
+
 # SD1.5's UNet config (v1-inference.yaml) with narrower channels: same levels, same 16 blocks.
 SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320,
             attention_resolutions=[4, 2, 1], num_res_blocks=2, channel_mult=[1, 2, 4, 4],
@@ -15,20 +17,6 @@ TINY_SDXL = dict(image_size=32, in_channels=4, out_channels=4, model_channels=32
                  attention_resolutions=[4, 2], num_res_blocks=2, channel_mult=[1, 2, 4],
                  num_head_channels=16, use_spatial_transformer=True, transformer_depth=1,
                  context_dim=32, use_checkpoint=False, legacy=False, use_linear_in_transformer=True)
-
-
-def wake(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Give zero-initialised layers (ldm's ``zero_module`` outputs) random weights.
-
-    A fresh UNet's transformer and residual outputs are exactly zero, so merging could not
-    change anything and every test would pass vacuously.
-    """
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1 and not p.any():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / p[0].numel() ** 0.5))
-    return model
 
 
 def ldm_unet(config: dict = TINY_SD15, seed: int = 0) -> torch.nn.Module:

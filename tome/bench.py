@@ -66,8 +66,12 @@ MODELS = {
 }
 
 
-def _wake(model: nn.Module, seed: int) -> nn.Module:
-    """Random weights for ldm's zero-initialised output layers, so merging changes the output."""
+def wake(model: nn.Module, seed: int) -> nn.Module:
+    """Random weights for zero-initialised layers (ldm's ``zero_module`` outputs).
+
+    A fresh UNet's transformer and residual outputs are exactly zero, so merging could not
+    change anything: benchmarks would report no deviation and tests would pass vacuously.
+    """
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -85,7 +89,7 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) ->
     else:
         from diffusers import UNet2DConditionModel
         model = UNet2DConditionModel(**cfg)
-    model = _wake(model, seed).to(dtype).eval().requires_grad_(False)
+    model = wake(model, seed).to(dtype).eval().requires_grad_(False)
     if family == "ldm":  # ldm casts the latent to .dtype but not the timestep embedding
         model.dtype = dtype
         for m in model.modules():  # GroupNorm32 normalises in fp32: keep its affine in fp32

@@ -16,7 +16,6 @@ tomesd's odd batches produce artifacts), and the global RNG is never touched.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -448,7 +447,3 @@ def state_of(model: Any) -> _State | None:
     except UnsupportedModelError:
         return None
     return getattr(unet, STATE_ATTR, None)
-
-
-def level_of(tokens: int, size: tuple[int, int]) -> int:
-    return int(math.ceil(math.sqrt(size[0] * size[1] // tokens)))
