@@ -99,7 +99,7 @@ def plot(out: Path, phase_starts: list[int]) -> None:
         ax.axvline(p, color="gray", ls="--", lw=0.8)
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("noise MSE")
+    ax.set_ylabel("MSE of the v prediction")
     ax.set_title("tiny ldm: denoising loss (dashed: 32 px -> 64 px)")
     ax.legend()
     fig.tight_layout()
@@ -107,8 +107,8 @@ def plot(out: Path, phase_starts: list[int]) -> None:
     plt.close(fig)
 
 
-def save_grid(weights: Path, path: Path, steps: int = 25, seed: int = 0, guidance=1.0) -> None:
-    """Sample 2 images per class (one row per class pair) into a labelled PNG, 3x upscaled."""
+def save_grid(weights: Path, path: Path, steps: int = 25, seed: int = 0, guidance=(1.0, 2.0)):
+    """2 samples per class, one row per CFG scale, into a labelled PNG (3x upscaled)."""
     from PIL import Image, ImageDraw
 
     from .model import load_model, sample
@@ -116,15 +116,17 @@ def save_grid(weights: Path, path: Path, steps: int = 25, seed: int = 0, guidanc
     model = load_model(weights)
     classes = model.config["classes"]
     ids = [c for c in range(len(classes)) for _ in range(2)]
-    imgs = sample(model, ids, seed=seed, steps=steps, guidance=guidance)
-    tiles = (imgs * 255).round().byte().permute(0, 2, 3, 1).numpy()
     s, pad, label = 64 * 3, 4, 14
-    grid = Image.new("RGB", (len(ids) * (s + pad) + pad, s + label + pad), "white")
+    row_h = s + label + pad
+    grid = Image.new("RGB", (len(ids) * (s + pad) + pad, len(guidance) * row_h), "white")
     draw = ImageDraw.Draw(grid)
-    for i, tile in enumerate(tiles):
-        x = pad + i * (s + pad)
-        grid.paste(Image.fromarray(tile).resize((s, s), Image.NEAREST), (x, label))
-        draw.text((x + 2, 1), classes[ids[i]], fill="black")
+    for r, g in enumerate(guidance):
+        imgs = sample(model, ids, seed=seed, steps=steps, guidance=g)
+        tiles = (imgs * 255).round().byte().permute(0, 2, 3, 1).numpy()
+        for i, tile in enumerate(tiles):
+            x, y = pad + i * (s + pad), r * row_h
+            grid.paste(Image.fromarray(tile).resize((s, s), Image.NEAREST), (x, y + label))
+            draw.text((x + 2, y + 1), f"{classes[ids[i]]}  cfg {g:g}", fill="black")
     grid.save(path)
 
 
@@ -154,12 +156,11 @@ def main(argv=None) -> None:
         default=None,
         help="only write OUT/samples.png from these weights (no training)",
     )
-    ap.add_argument("--guidance", type=float, default=1.0, help="CFG scale for --grid")
     args = ap.parse_args(argv)
     if args.grid is not None:
         torch.set_num_threads(1)
         args.out.mkdir(parents=True, exist_ok=True)
-        save_grid(args.grid, args.out / "samples.png", seed=args.seed, guidance=args.guidance)
+        save_grid(args.grid, args.out / "samples.png", seed=args.seed)
         return
 
     torch.set_num_threads(1)  # other work shares this machine: keep to one core
