@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .sdpa import ldm_sdpa, sdpa_forward  # noqa: F401 - re-exported for callers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,37 +98,6 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) ->
                 m.float()
         model.time_embed.register_forward_pre_hook(lambda m, a: (a[0].to(dtype), *a[1:]))
     return model
-
-
-def sdpa_forward(self: nn.Module, x: torch.Tensor, context: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """ldm ``CrossAttention.forward`` with PyTorch's fused ``scaled_dot_product_attention``
-    (what the WebUI's "sdp" cross-attention optimisation does for SD1/SD2)."""
-    heads = self.heads
-    context = x if context is None else context
-    q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
-    B, N, _ = q.shape
-    q, k, v = (t.view(B, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:
-        mask = mask.reshape(B, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return self.to_out(out.transpose(1, 2).reshape(B, N, -1))
-
-
-@contextlib.contextmanager
-def ldm_sdpa():
-    """Install ``sdpa_forward`` on ldm's CrossAttention class for the duration."""
-    try:
-        from ldm.modules import attention
-    except ImportError:
-        yield
-        return
-    old = attention.CrossAttention.forward
-    attention.CrossAttention.forward = sdpa_forward
-    try:
-        yield
-    finally:
-        attention.CrossAttention.forward = old
 
 
 @dataclass

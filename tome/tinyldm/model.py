@@ -22,6 +22,8 @@ from ldm.modules.attention import CrossAttention
 from ldm.modules.diffusionmodules.openaimodel import UNetModel
 from torch import nn
 
+from ..sdpa import sdpa_forward
+
 DEFAULT_WEIGHTS = Path(__file__).with_name("tiny64.safetensors")
 
 #: Architecture and diffusion settings; stored as JSON in the weights' metadata.
@@ -51,25 +53,6 @@ CONFIG: dict = {
 }
 
 
-def _sdpa_forward(self: CrossAttention, x, context=None, mask=None):
-    """ldm's CrossAttention.forward with ``scaled_dot_product_attention``.
-
-    The stock forward materialises the full (4096 x 4096) score matrix per head with
-    einsum, which is slow and memory-hungry on CPU; SDPA computes the same attention
-    (up to rounding) with a fused kernel.
-    """
-    h = self.heads
-    q = self.to_q(x)
-    context = x if context is None else context
-    k, v = self.to_k(context), self.to_v(context)
-    b = q.shape[0]
-    q, k, v = (t.reshape(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:
-        mask = mask.reshape(b, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return self.to_out(out.transpose(1, 2).reshape(b, -1, h * out.shape[-1]))
-
-
 class SDPACrossAttention(CrossAttention):
     """CrossAttention whose forward uses SDPA; swapped in per instance by ``build_model``.
 
@@ -77,7 +60,7 @@ class SDPACrossAttention(CrossAttention):
     keeps the speed-up local to this package: ldm stays unmodified, in memory and on disk.
     """
 
-    forward = _sdpa_forward
+    forward = sdpa_forward
 
 
 class _Wrapper(nn.Module):
