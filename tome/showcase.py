@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), "",
             *notes, "",
             "Each method at equal speed-up (interpolated between its settings, starting from "
-            "the unmerged model at 1x; loss: mean of the loss Δ columns):", "",
+            "the unmerged model at 1x" + (f"; loss: loss Δ at t={min(timesteps)}"
+                                          if heldout is not None else "") + "):", "",
             quality.equal_speed_table(rows, [float(x) for x in a.at.split(",")])]
     table = "\n".join(text)
     (out / "table.md").write_text(table + "\n")
