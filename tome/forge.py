@@ -20,7 +20,7 @@ import torch
 
 from . import merge
 from .config import ToMeConfig
-from .patch import _mix, block_levels
+from .patch import block_levels, grid_of, seeded_partition
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
 
@@ -34,34 +34,24 @@ class ForgePatch:
         self.partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.tokens: dict[int, tuple[int, int]] = {}
 
-    def _grid(self, n: torch.Tensor, extra: dict) -> tuple[int, int, int] | None:
-        shape = extra.get("original_shape")
-        if shape is None or n.dim() != 3:
-            return None
-        ds, h, w = merge.grid_size(n.shape[1], shape[-2], shape[-1])
-        if ds > self.max_downsample or h * w != n.shape[1]:
-            return None
-        return ds, h, w
-
     def _partition(self, h: int, w: int, extra: dict, device: torch.device):
+        """Seeded like the hook-based patch, by the step's sigma in place of the timestep."""
         c = self.config
         sigmas = extra.get("sigmas")
-        t = round(float(sigmas.reshape(-1)[0]) * 1000) if isinstance(sigmas, torch.Tensor) \
-            else -1
-        key = (t, h, w, str(device)) if c.use_rand else (h, w, str(device))
+        t = round(float(sigmas.reshape(-1)[0]) * 1000) \
+            if c.use_rand and isinstance(sigmas, torch.Tensor) else -1
+        key = (t, h, w, str(device))
         if key not in self.partitions:
-            cells = None
-            if c.use_rand:
-                g = torch.Generator().manual_seed(_mix(c.seed, t, 0, h, w, c.sx, c.sy))
-                cells = merge.random_cells(h, w, c.sx, c.sy, g)
             if len(self.partitions) > 64:  # one entry per step and level is all that is reused
                 self.partitions.clear()
-            self.partitions[key] = merge.partition(h, w, c.sx, c.sy, cells, device)
+            self.partitions[key] = seeded_partition(c, t, 0, h, w, device)
         return self.partitions[key]
 
     def attn1(self, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict):
         c, self.plan = self.config, None
-        grid = self._grid(n, extra)
+        shape = extra.get("original_shape")
+        grid = None if shape is None or n.dim() != 3 else \
+            grid_of(n.shape[1], tuple(shape[-2:]), self.max_downsample)
         if grid is None:
             return n, k, v
         ds, h, w = grid

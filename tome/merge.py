@@ -32,8 +32,6 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 
 # Byte budget of one chunk of scores (global) or of candidate features (local), whole batch.
 CHUNK_BYTES = 32 << 20
-# Kept for compatibility: elements per batch item in one score chunk.
-CHUNK_ELEMENTS = 1 << 24
 _OFFSETS = [(di, dj) for di in (-1, 0, 1) for dj in (-1, 0, 1)]
 
 
@@ -79,24 +77,9 @@ def cell_of(idx: torch.Tensor, w: int, sx: int, sy: int, hsy: int, wsx: int) -> 
     return (idx // w // sy).clamp(max=hsy - 1) * wsx + (idx % w // sx).clamp(max=wsx - 1)
 
 
-def _chunk_rows(cols: int, batch: int, itemsize: int, budget: int = 0) -> int:
-    return max(1, (budget or CHUNK_BYTES) // max(1, cols * batch * itemsize))
-
-
-def best_match(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of ``a`` [B, Na, C], the best cosine score and index among ``b`` [B, Nb, C].
-
-    Scores are computed in chunks of source rows bounded by ``CHUNK_BYTES``; only the chunk
-    of ``a`` is normalised, so no full normalised copy is made.
-    """
-    b = b / b.norm(dim=-1, keepdim=True)
-    bt = b.transpose(-1, -2)
-    chunk = _chunk_rows(b.shape[1], a.shape[0], max(a.element_size(), 4))
-    if a.shape[1] <= chunk:
-        return ((a / a.norm(dim=-1, keepdim=True)) @ bt).max(dim=-1)
-    maxes, idxs = zip(*(((part / part.norm(dim=-1, keepdim=True)) @ bt).max(dim=-1)
-                        for part in a.split(chunk, dim=1)))
-    return torch.cat(maxes, dim=1), torch.cat(idxs, dim=1)
+def _chunk_rows(cols: int, batch: int, itemsize: int) -> int:
+    """Rows per chunk so that ``rows x cols`` values for the whole batch fit ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // max(1, cols * batch * itemsize))
 
 
 def global_match(metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
@@ -178,8 +161,8 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
         ys = torch.arange(h, device=dev)
         xs = torch.arange(w, device=dev)
         left = ((ys[:, None] >= hm) | (xs[None, :] >= wm)).reshape(-1).nonzero().squeeze(1)
-        ci = (left // w // sy).clamp(max=hsy - 1)
-        cj = (left % w // sx).clamp(max=wsx - 1)
+        cell = cell_of(left, w, sx, sy, hsy, wsx)
+        ci, cj = cell // wsx, cell % wsx
         nb = torch.stack([grid[:, ci + 1 + di, cj + 1 + dj] for di, dj in _OFFSETS], dim=-1)
         sc = torch.einsum("blc,blck->blk", metric[:, left], nb).float() + bias[ci, cj]
         m, k = sc.max(dim=-1)
@@ -188,14 +171,13 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     best = best.view(B, N)[:, src_idx]
     k = arg.view(B, N)[:, src_idx]
     # Cell of each source, then of the chosen neighbour, as an index into dst_idx.
-    ci = (src_idx // w // sy).clamp(max=hsy - 1)
-    cj = (src_idx % w // sx).clamp(max=wsx - 1)
+    cell = cell_of(src_idx, w, sx, sy, hsy, wsx)
+    ci, cj = cell // wsx, cell % wsx
     di = torch.tensor([o[0] for o in _OFFSETS], device=dev)[k]
     dj = torch.tensor([o[1] for o in _OFFSETS], device=dev)[k]
     node_idx = by_cell[(ci + di) * wsx + (cj + dj)]
-    norms = metric[:, src_idx].float().norm(dim=-1) if N * C * B < (1 << 22) else \
-        torch.cat([metric[:, p].float().norm(dim=-1)
-                   for p in src_idx.split(_chunk_rows(C, B, 4))], dim=1)
+    norms = torch.cat([metric[:, p].float().norm(dim=-1)  # chunked: no fp32 copy of all
+                       for p in src_idx.split(_chunk_rows(C, B, 4))], dim=1)
     node_max = (best / norms).to(metric.dtype)
     return node_max, node_idx
 
@@ -244,8 +226,7 @@ class Plan:
             inverse.scatter_(1, self.kept_idx, torch.arange(n_kept, device=dev).expand(B, n_kept))
             inverse[:, dst_idx] = torch.arange(n_kept, M, device=dev)
             inverse.scatter_(1, self.merged_idx, self.dst_of_merged + n_kept)
-            self.inverse = inverse
-            self.inverse_rows = inverse.add(base * M).reshape(-1)
+            self.inverse_rows = inverse.add_(base * M).reshape(-1)
         self.r, self.num_tokens, self.n_kept, self.size = r, N, n_kept, M
 
     def merge(self, x: torch.Tensor, mode: str = "mean") -> torch.Tensor:

@@ -82,7 +82,7 @@ class _State:
         self.call: _Call | None = None
         self.calls = 0
         self.warned: set[str] = set()
-        self.cpu_partitions: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fixed_partitions: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # id(block) -> the plan for the block's current call: a merge.Plan, or (h, w) for
         # the downsample method. Kept here, not on the blocks, so removal leaves nothing behind.
         self.plans: dict[int, Any] = {}
@@ -163,17 +163,23 @@ def block_levels(unet: nn.Module) -> dict[nn.Module, int]:
     return levels
 
 
+def _sub_layers(config: ToMeConfig) -> tuple[str, ...]:
+    """The block's sub-layers that get hooks: ``attn1`` for the downsample method (its keys and
+    values are pooled), otherwise every sub-layer that runs on merged tokens."""
+    if config.method == "downsample":
+        return ("attn1",)
+    merged = {"attn1": config.merge_attn, "attn2": config.merge_crossattn, "ff": config.merge_mlp}
+    return tuple(name for name, on in merged.items() if on)
+
+
 def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
     """Why a block cannot be patched safely, or None."""
     if "_forward" in vars(block) or "forward" in vars(block):
         return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
     if type(block).__name__ == "ToMeBlock":
         return "patched by tomesd"
-    wanted = {"attn1": config.merge_attn or config.method == "downsample",
-              "attn2": config.merge_crossattn and config.method == "merge",
-              "ff": config.merge_mlp and config.method == "merge"}
-    missing = [n for n, on in wanted.items()
-               if on and not isinstance(getattr(block, n, None), nn.Module)]
+    missing = [n for n in _sub_layers(config)
+               if not isinstance(getattr(block, n, None), nn.Module)]
     if missing:
         return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
     if config.method == "downsample" and (getattr(block, "disable_self_attn", False)
@@ -240,6 +246,25 @@ def _set_first(args: tuple, kwargs: dict, names: tuple[str, ...], value: Any):
     raise RuntimeError("ToMe: could not find the hidden states argument")
 
 
+def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
+            ) -> tuple[int, int, int] | None:
+    """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``, or
+    None when that level is not merged (too deep, or not a grid of this latent)."""
+    ds, h, w = merge.grid_size(tokens, *size)
+    return None if ds > max_downsample or h * w != tokens else (ds, h, w)
+
+
+def seeded_partition(config: ToMeConfig, timestep: int, salt: int, h: int, w: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(src_idx, dst_idx)`` of an ``h x w`` grid: random destinations drawn from a private
+    generator seeded by ``(seed, timestep, salt, grid)``, or top-left without ``use_rand``."""
+    c, cells = config, None
+    if c.use_rand:
+        g = torch.Generator().manual_seed(_mix(c.seed, timestep, salt, h, w, c.sx, c.sy))
+        cells = merge.random_cells(h, w, c.sx, c.sy, g)
+    return merge.partition(h, w, c.sx, c.sy, cells, device)
+
+
 _X_NAMES = ("x", "hidden_states", "sample")
 _T_NAMES = ("timesteps", "timestep", "t")
 
@@ -254,7 +279,9 @@ class _Hooks:
     def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         st, c = self.state, self.state.config
         x = _first(args, kwargs, _X_NAMES, 0)
-        t = _first(args, kwargs, _T_NAMES, 1)
+        # Reading a device tensor's value syncs with the device: only when something uses it.
+        needs_t = c.start > 0 or c.end < 1 or (c.use_rand and c.method == "merge")
+        t = _first(args, kwargs, _T_NAMES, 1) if needs_t else None
         timestep = None
         if isinstance(t, torch.Tensor) and t.numel():
             timestep = float(t.reshape(-1)[0])
@@ -284,10 +311,10 @@ class _Hooks:
         x = _first(args, kwargs, _X_NAMES, 0)
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             return
-        H, W = call.size
-        ds, h, w = merge.grid_size(x.shape[1], H, W)
-        if ds > st.report.max_downsample or h * w != x.shape[1]:
+        grid = grid_of(x.shape[1], call.size, st.report.max_downsample)
+        if grid is None:
             return
+        ds, h, w = grid
         if c.method == "downsample":
             st.plans[id(block)] = (h, w)
             st.report.tokens[ds] = (x.shape[1], x.shape[1] - x.shape[1]
@@ -305,40 +332,38 @@ class _Hooks:
         self.state.plans.pop(id(block), None)
 
     def _partition(self, call: _Call, h: int, w: int, device: torch.device):
-        """Shared by every block at this grid size in this call."""
+        """Shared by every block at this grid size in this call; without ``use_rand`` the
+        partition never changes, so it is kept across calls."""
         key = (h, w)
         if key not in call.partitions:
-            c = self.state.config
+            c, st = self.state.config, self.state
             if c.use_rand:
                 t = -1 if call.timestep is None else round(call.timestep * 1000)
-                salt = self.state.calls if call.timestep is None else 0
-                g = torch.Generator().manual_seed(_mix(c.seed, t, salt, h, w, c.sx, c.sy))
-                cells = merge.random_cells(h, w, c.sx, c.sy, g)
-                call.partitions[key] = merge.partition(h, w, c.sx, c.sy, cells, device)
-            else:  # deterministic: reuse across calls
-                ck = (h, w, str(device))
-                if ck not in self.state.cpu_partitions:
-                    self.state.cpu_partitions[ck] = merge.partition(h, w, c.sx, c.sy, None,
-                                                                    device)
-                call.partitions[key] = self.state.cpu_partitions[ck]
+                salt = st.calls if call.timestep is None else 0
+                call.partitions[key] = seeded_partition(c, t, salt, h, w, device)
+            else:
+                fixed = (h, w, str(device))
+                if fixed not in st.fixed_partitions:
+                    st.fixed_partitions[fixed] = seeded_partition(c, 0, 0, h, w, device)
+                call.partitions[key] = st.fixed_partitions[fixed]
         return call.partitions[key]
 
     # Sub-layers ---------------------------------------------------------
-    def sub_pre(self, block: nn.Module, downsample_kv: bool):
+    def sub_pre(self, block: nn.Module):
         key = id(block)
+        # The keyword that carries attn1's keys/values: ldm/sgm ``context``, diffusers
+        # ``encoder_hidden_states``.
+        kv_name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             plan = self.state.plans.get(key)
             if plan is None:
                 return None
             hidden = _first(args, kwargs, _X_NAMES, 0)
-            if isinstance(plan, tuple):  # (h, w) of the downsample method: pool keys/values
-                if not downsample_kv:
-                    return None
+            if isinstance(plan, tuple):  # (h, w): downsample, hooked on attn1 only
                 h, w = plan
                 kv = merge.downsample_tokens(hidden, h, w, self.state.config.downsample_factor)
-                name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
-                return args, {**kwargs, name: kv}
+                return args, {**kwargs, kv_name: kv}
             return _set_first(args, kwargs, _X_NAMES, plan.merge(hidden))
         return hook
 
@@ -347,7 +372,7 @@ class _Hooks:
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any):
             plan = self.state.plans.get(key)
-            if plan is None or isinstance(plan, tuple):
+            if plan is None:
                 return None
             if isinstance(out, tuple):  # some attention processors return (hidden, extra)
                 return (plan.unmerge(out[0]), *out[1:])
@@ -360,7 +385,8 @@ class _Hooks:
 def apply(model: Any, config: ToMeConfig) -> Any:
     """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was."""
     unet = find_unet(model)
-    blocks = [m for m in unet.modules() if _is_block(m)]
+    named = [(n, m) for n, m in unet.named_modules() if _is_block(m)]
+    blocks = [m for _, m in named]
     if not blocks:
         raise UnsupportedModelError(
             f"ToMe: {type(unet).__name__} has no {BLOCK_CLASS}; SD3/MMDiT, Flux and compiled or "
@@ -380,9 +406,8 @@ def apply(model: Any, config: ToMeConfig) -> Any:
     report = PatchReport(family=_family(blocks[0]), config=config, max_downsample=max_ds,
                          total_blocks=len(blocks), replaced_tomesd=replaced)
     targets = []
-    for i, b in enumerate(blocks):
+    for name, b in named:
         problem = _block_problem(b, config)
-        name = next((n for n, m in unet.named_modules() if m is b), f"block{i}")
         if problem:
             report.skipped.append((name, problem))
             continue
@@ -406,20 +431,13 @@ def apply(model: Any, config: ToMeConfig) -> Any:
         h = state.handles
         h.append(unet.register_forward_pre_hook(hooks.unet_pre, with_kwargs=True))
         h.append(unet.register_forward_hook(hooks.unet_post, with_kwargs=True))
-        merge_sub = {"attn1": config.merge_attn, "attn2": config.merge_crossattn,
-                     "ff": config.merge_mlp}
         for b in targets:
             h.append(b.register_forward_pre_hook(hooks.block_pre, with_kwargs=True))
             h.append(b.register_forward_hook(hooks.block_post, with_kwargs=True))
-            for name, on in merge_sub.items():
+            for name in _sub_layers(config):
                 sub = getattr(b, name)
-                if config.method == "downsample":
-                    if name == "attn1":
-                        h.append(sub.register_forward_pre_hook(hooks.sub_pre(b, True),
-                                                               with_kwargs=True))
-                elif on:
-                    h.append(sub.register_forward_pre_hook(hooks.sub_pre(b, False),
-                                                           with_kwargs=True))
+                h.append(sub.register_forward_pre_hook(hooks.sub_pre(b), with_kwargs=True))
+                if config.method == "merge":  # downsampled keys need no unmerge
                     h.append(sub.register_forward_hook(hooks.sub_post(b), with_kwargs=True))
         setattr(unet, STATE_ATTR, state)
     except BaseException:
@@ -432,8 +450,7 @@ def apply(model: Any, config: ToMeConfig) -> Any:
 
 def remove(model: Any) -> Any:
     """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone."""
-    unet = model if isinstance(model, nn.Module) and hasattr(model, STATE_ATTR) \
-        else find_unet(model)
+    unet = _patched_unet(model)
     state = vars(unet).pop(STATE_ATTR, None)
     if state is not None:
         for handle in state.handles:
@@ -441,9 +458,13 @@ def remove(model: Any) -> Any:
     return model
 
 
+def _patched_unet(model: Any) -> nn.Module:
+    """The module that carries our state: ``model`` itself if it does, else its UNet."""
+    return model if hasattr(model, STATE_ATTR) else find_unet(model)
+
+
 def state_of(model: Any) -> _State | None:
     try:
-        unet = find_unet(model) if not hasattr(model, STATE_ATTR) else model
+        return getattr(_patched_unet(model), STATE_ATTR, None)
     except UnsupportedModelError:
         return None
-    return getattr(unet, STATE_ATTR, None)
