@@ -7,22 +7,29 @@ unless the "[ToMe] Enabled" axis says otherwise. Values are validated when the g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..config import AUTO, MATCHINGS, METHODS
+from ..config import MATCHINGS, METHODS, ToMeConfig
 from .runner import XYZ_ATTR
 from .settings import from_dict
 
 PREFIX = "[ToMe] "
+_MAX_DOWNSAMPLE_CHOICES = next(f.metadata["choices"] for f in dataclasses.fields(ToMeConfig)
+                               if f.name == "max_downsample")
 _BOOLS = ["True", "False"]
+
+
+def _values(key: str, x: Any) -> dict[str, Any]:
+    """The named settings one axis value stands for (a stride sets both sx and sy)."""
+    return dict(zip(("sx", "sy"), parse_stride(x))) if key == "stride" else {key: x}
 
 
 def set_value(key: str) -> Callable[[Any, Any, Any], None]:
     """An axis ``apply``: a new dict per cell, since the cells share everything else."""
     def apply(p: Any, x: Any, xs: Any) -> None:
-        new = {key: x} if key != "stride" else dict(zip(("sx", "sy"), parse_stride(x)))
-        setattr(p, XYZ_ATTR, {**(getattr(p, XYZ_ATTR, None) or {}), **new})
+        setattr(p, XYZ_ATTR, {**(getattr(p, XYZ_ATTR, None) or {}), **_values(key, x)})
     return apply
 
 
@@ -41,7 +48,7 @@ def confirm(name: str) -> Callable[[Any, list], None]:
     """Check every value of an axis on its own, with the error the generation would give."""
     def check(p: Any, xs: list) -> None:
         for x in xs:
-            values = dict(zip(("sx", "sy"), parse_stride(x))) if name == "stride" else {name: x}
+            values = _values(name, x)
             if name in ("ratio", "hr_ratio"):
                 values.update(sx=4, sy=4)  # the most a 4x4 stride allows; checked again later
             from_dict({"enabled": True, **values})
@@ -58,7 +65,8 @@ def axes(xyz: Any) -> list[Any]:
         A(PREFIX + "Stride", str, set_value("stride"), confirm=confirm("stride"),
           choices=lambda: ["2x2", "2x1", "1x2", "3x2", "2x3", "3x3", "4x2", "2x4", "4x4"]),
         A(PREFIX + "Max downsample", str, set_value("max_downsample"),
-          confirm=confirm("max_downsample"), choices=lambda: [AUTO, "1", "2", "4", "8"]),
+          confirm=confirm("max_downsample"),
+          choices=lambda: list(_MAX_DOWNSAMPLE_CHOICES)),
         A(PREFIX + "Method", str, set_value("method"), confirm=confirm("method"),
           choices=lambda: list(METHODS)),
         A(PREFIX + "Downsample factor", int, set_value("downsample_factor"),
