@@ -14,6 +14,8 @@ from typing import Any
 
 METHODS = ("merge", "downsample")
 MATCHINGS = ("global", "local")
+SHARES = ("level", "block")
+POLICIES = ("fixed", "auto")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 # "auto" in the UI / API; None in the library.
 AUTO = "auto"
@@ -69,6 +71,16 @@ class ToMeConfig:
         "Matching", "ToMe matching",
         "global: every source may merge into any destination (as tomesd). local: only into "
         "nearby destinations; much faster and leaner on large images.", choices=MATCHINGS))
+    share: str = field(default="level", metadata=_meta(
+        "Plan sharing", "ToMe share",
+        "level: the first block of a UNet level matches its tokens and every other block at "
+        "that level reuses the plan in the same step (fast on GPUs). block: every block matches "
+        "its own input, as tomesd does.", choices=SHARES))
+    policy: str = field(default="fixed", metadata=_meta(
+        "Policy", "ToMe policy",
+        "fixed: merge exactly the levels the settings name. auto: merge a level only where its "
+        "token count makes merging pay on this device (measured thresholds per device kind), so "
+        "a pass is never slower than without ToMe.", choices=POLICIES))
     start: float = field(default=0.0, metadata=_meta(
         "Start", "ToMe start",
         "Merge from this point of the denoising process (0 = first, noisiest step).",
@@ -103,6 +115,10 @@ class ToMeConfig:
             fail("method", f"must be one of {METHODS}")
         if self.matching not in MATCHINGS:
             fail("matching", f"must be one of {MATCHINGS}")
+        if self.share not in SHARES:
+            fail("share", f"must be one of {SHARES}")
+        if self.policy not in POLICIES:
+            fail("policy", f"must be one of {POLICIES}")
         for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
@@ -209,5 +225,22 @@ def describe(f: dataclasses.Field) -> str:
     return type(f.default).__name__
 
 
-def fields() -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(ToMeConfig)
+
+# Named settings for people who do not want to know what a stride is. Each is a partial
+# ``ToMeConfig`` applied over the defaults; all use the ``auto`` policy, so a preset never makes
+# a pass slower. Chosen from the showcase (docs/quality.md): at equal speed-up ToDo keeps more
+# of the image than merging, so the quality end uses it.
+PRESETS: dict[str, dict[str, Any]] = {
+    "quality": {"method": "downsample", "downsample_factor": 2, "policy": "auto"},
+    "balanced": {"method": "merge", "ratio": 0.5, "policy": "auto"},
+    "fast": {"method": "downsample", "downsample_factor": 4, "max_downsample": 2,
+             "policy": "auto"},
+}
+
+
+def preset(name: str, **changes: Any) -> ToMeConfig:
+    """The ``ToMeConfig`` of a named preset (``quality``, ``balanced``, ``fast``)."""
+    key = str(name).strip().lower()
+    if key not in PRESETS:
+        raise ValueError(f"ToMe: unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return ToMeConfig(**{**PRESETS[key], **changes})

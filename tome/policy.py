@@ -1,0 +1,90 @@
+"""The ``auto`` policy: merge a UNet level only where it pays on the device that runs it.
+
+Merging costs a fixed amount of work per block (matching, gathers, kernel launches) and saves
+attention work that grows with the square of the token count. On a CPU the saving wins from
+about a thousand tokens; on a fast GPU with fused attention (SDPA, xFormers) a 512 px SD1.5
+image (4096 tokens at the top level) is faster *without* merging, and the gain starts at
+1024 px. Measurements behind each threshold are in ``docs/speed.md``.
+
+Pure decisions on plain numbers: no model, no tensors, so hosts can say before sampling what
+will happen (console line, infotext) and tests can check every branch without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import ToMeConfig
+
+# Smallest token count at a level for which merging is faster than not merging, per device
+# kind and method. CPU: tome.bench on an AMD EPYC core (merge 0.5 1.11x, ToDo x2 1.12x at
+# 1024 tokens; nothing below 0.99x). CUDA: H100, fp16, SDPA, batch 2 (ToDo x2 1.01x and merge
+# 0.5 0.82-0.91x at 4096 tokens; 1.25x and 1.01-1.08x at 16384). MPS: not measured; Apple GPUs
+# have far less attention throughput than an H100, so merging pays earlier: an estimate
+# between the two, to be replaced by a measurement.
+THRESHOLDS: dict[str, dict[str, int]] = {
+    "cpu": {"merge": 1024, "downsample": 1024},
+    "cuda": {"merge": 16384, "downsample": 16384},
+    "mps": {"merge": 4096, "downsample": 4096},
+}
+# Devices without a measurement are treated like the fastest kind: never merged too early.
+FALLBACK = "cuda"
+
+
+def device_kind(device: object) -> str:
+    """``cpu``, ``cuda`` or ``mps`` for a ``torch.device`` (or its string); others map to
+    the most conservative kind."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return kind if kind in THRESHOLDS else FALLBACK
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether one UNet level is merged in a pass, and why (for the console and infotext)."""
+
+    level: int        # downsample factor of the level (1 = full resolution)
+    tokens: int       # tokens a block at this level sees
+    merged: bool
+    reason: str
+
+
+def level_tokens(latent: tuple[int, int], level: int) -> int:
+    """Tokens at ``level`` for a latent of ``(height, width)``: the UNet's stride-2
+    convolutions round up, so odd sizes keep their last row and column."""
+    h, w = latent
+    return math.ceil(h / level) * math.ceil(w / level)
+
+
+def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
+           kind: str) -> list[Decision]:
+    """One ``Decision`` per level in ``levels`` (those the settings would merge).
+
+    ``fixed`` merges every one of them; ``auto`` only those with at least the device kind's
+    threshold of tokens.
+    """
+    out = []
+    threshold = THRESHOLDS.get(kind, THRESHOLDS[FALLBACK])[config.method]
+    for level in sorted(levels):
+        tokens = level_tokens(latent, level)
+        if config.policy == "fixed":
+            out.append(Decision(level, tokens, True, "fixed policy"))
+        elif tokens >= threshold:
+            out.append(Decision(level, tokens, True,
+                                f"{tokens} tokens, at or above the {kind.upper()} threshold "
+                                f"({threshold})"))
+        else:
+            out.append(Decision(level, tokens, False,
+                                f"{tokens} tokens, below the {kind.upper()} threshold "
+                                f"({threshold}); not merged"))
+    return out
+
+
+def summary(decisions: list[Decision], latent: tuple[int, int], scale: int = 8) -> str:
+    """One line, e.g. ``512x512 px: ds1 4096 tokens, below the CUDA threshold (16384); not
+    merged``."""
+    h, w = latent
+    head = f"{w * scale}x{h * scale} px"
+    if not decisions:
+        return f"{head}: no level to merge"
+    return head + ": " + "; ".join(f"ds{d.level} {d.reason}" for d in decisions)
