@@ -1,9 +1,7 @@
-"""ToMe (Token Merging) for the AUTOMATIC1111 WebUI: the file the WebUI loads.
-
-Only the WebUI's entry points live here; the work is done in ``tome/webui/``. The WebUI puts the
-extension's folder first on ``sys.path`` while it runs this file, so ``import tome`` finds the
-package next to it, unless a package of that name was imported earlier (checked below).
-"""
+"""ToMe (Token Merging) for the AUTOMATIC1111 WebUI: only its entry points; the work is done in
+``tome/webui/``. The WebUI puts the extension's folder first on ``sys.path`` while it runs this
+file, so ``import tome`` finds the package next to it, unless one of that name was imported
+earlier (checked below)."""
 
 import os
 
@@ -46,13 +44,13 @@ class ToMeScript(scripts.Script):
         return ui.build(self, is_img2img, DEFAULT_RATIO)
 
     def before_process(self, p, *args):
-        runner.before_process(p, args)
+        runner.before_process(p, args, img2img=self.is_img2img)
 
     def process(self, p, *args):
         runner.process(p, args, img2img=self.is_img2img)
 
     def process_before_every_sampling(self, p, *args, **kwargs):
-        runner.before_sampling(p)
+        runner.before_sampling(p, kwargs.get("x"))
 
     def process_batch(self, p, *args, **kwargs):
         if LEGACY:
@@ -61,6 +59,9 @@ class ToMeScript(scripts.Script):
     def before_hr(self, p, *args):
         if LEGACY:
             runner.before_sampling(p)
+
+    def postprocess_batch(self, p, *args, **kwargs):
+        runner.after_batch(p)
 
     def postprocess(self, p, processed, *args):
         runner.after_generation(p)

@@ -39,7 +39,7 @@ def test_off_is_bit_identical_to_a_webui_without_the_extension(webui):
 
 
 def test_txt2img_is_patched_while_sampling_and_restored_after(webui, capsys):
-    res = webui.generate(tome=on(ratio=0.4))
+    res = webui.generate(tome=on(ratio=0.4, policy="fixed"))
     assert passes(webui) == [(False, 0.4)]
     assert not tome.is_patched(shared.sd_model)
     assert "ToMe ratio: 0.4" in res.info
@@ -171,10 +171,10 @@ def test_builtin_token_merging_is_taken_over(webui, capsys):
 def test_same_seed_same_image_and_untouched_global_rng(webui):
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    a = images(webui.generate(tome=on(ratio=0.6), seed=5))
+    a = images(webui.generate(tome=on(ratio=0.6, policy="fixed"), seed=5))
     assert torch.equal(torch.get_rng_state(), state)
-    b = images(webui.generate(tome=on(ratio=0.6), seed=5))
-    c = images(webui.generate(tome=on(ratio=0.6, use_rand=False), seed=5))
+    b = images(webui.generate(tome=on(ratio=0.6, policy="fixed"), seed=5))
+    c = images(webui.generate(tome=on(ratio=0.6, use_rand=False, policy="fixed"), seed=5))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

@@ -18,13 +18,17 @@ CASES = [
      "merge_attn": False, "merge_crossattn": True, "merge_mlp": True, "matching": "local"},
     {"ratio": 0.4, "hires_only": True, "hr_ratio": 0.7, "start": 0.1, "end": 0.9},
     {"method": "downsample", "downsample_factor": 3},
+    {"ratio": 0.4, "policy": "fixed", "share": "block"},
+    {"preset": "Fast", "ratio": 0.7, "sx": 4},  # the preset wins over the controls
+    {"preset": "Balanced", "hires_only": True, "hr_ratio": 0.6},
 ]
 
 
 def ui_args(**named):
     """The positional args the UI would send, starting from the UI's defaults."""
     base = dict(zip(settings.ARGS, [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
-                                    True, True, False, False, "global"]))
+                                    True, True, False, False, "global", "level", "auto",
+                                    "Custom"]))
     return [{**base, "enabled": True, **named}[n] for n in settings.ARGS]
 
 
@@ -41,7 +45,7 @@ def test_paste_restores_every_control(webui, named):
     restored = settings.parse_args(pasted)
     original = settings.parse_args(args)
     if named.get("method") == "downsample":  # ratio and stride cannot change such an image
-        original = settings.ScriptSettings(True, original.config.replace(ratio=0.5))
+        original = original.replace(config=original.config.replace(ratio=0.5))
     assert restored == original
     for value, default in zip(pasted, ui_args()):  # the UI turns ints into floats, as here
         assert type(value) is type(default) or (type(value), type(default)) == (float, int)

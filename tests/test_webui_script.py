@@ -46,7 +46,7 @@ def test_controls_follow_the_documented_order_and_types(webui):
     s = webui.script("txt2img")
     values = [c.value for c in s.controls]
     assert values == [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
-                      True, True, False, False, "global"]
+                      True, True, False, False, "global", "level", "auto", "Custom"]
     assert [c.elem_id for c in s.controls[1:3]] == ["script_txt2img_tome_ratio",
                                                     "script_txt2img_tome_sx"]
     assert s.controls[0].accordion_id == "script_txt2img_tome_enabled"
@@ -54,6 +54,9 @@ def test_controls_follow_the_documented_order_and_types(webui):
     assert ratio.maximum == pytest.approx(0.75) and ratio.minimum == 0
     assert s.controls[settings.ARGS.index("max_downsample")].choices == [
         (c, c) for c in ("auto", "1", "2", "4", "8")]
+    assert s.controls[settings.ARGS.index("preset")].choices == [
+        (c, c) for c in ("Custom", "Quality", "Balanced", "Fast")]
+    assert s.controls[settings.ARGS.index("policy")].choices == [("fixed",) * 2, ("auto",) * 2]
     assert len(s.infotext_fields) == len(settings.ARGS)
     assert all(callable(key) for _, key in s.infotext_fields)
 
@@ -64,6 +67,17 @@ def test_ratio_maximum_follows_the_stride(webui):
     assert r["maximum"] == pytest.approx(0.9375) and r["value"] == 0.9 and hr["value"] == 0.1
     r, hr = clamp(2, 1, 0.7, 0.6)
     assert r["maximum"] == pytest.approx(0.5) and r["value"] == 0.5 and hr["value"] == 0.5
+
+
+def test_a_named_preset_shows_its_values_in_greyed_controls(webui):
+    show = next(f for f in webui.blocks.fns if getattr(f.fn, "__name__", "") == "show_preset")
+    fast = dict(zip(settings.CONFIG_KEYS, show.fn("Fast")))
+    assert fast["method"]["value"] == "downsample" and fast["downsample_factor"]["value"] == 4
+    assert fast["max_downsample"]["value"] == "2" and fast["policy"]["value"] == "auto"
+    assert all(u["interactive"] is False for u in fast.values())
+    assert all(u["interactive"] is True and "value" not in u for u in show.fn("Custom"))
+    s = webui.script()
+    assert show.outputs == [s.controls[settings.ARGS.index(n)] for n in settings.CONFIG_KEYS]
 
 
 def test_ui_is_free_of_side_effects(webui):
@@ -84,7 +98,8 @@ def test_settings_are_registered_in_their_section(webui):
 def test_xyz_axes_added_once_even_after_reload(webui):
     webui.reload_ui()
     labels = [o.label for o in xyz_grid.axis_options]
-    for axis in ("Ratio", "Stride", "Max downsample", "Method", "Hires only", "Enabled"):
+    for axis in ("Ratio", "Stride", "Max downsample", "Method", "Hires only", "Enabled", "Preset",
+                 "Policy", "Plan sharing"):
         assert labels.count("[ToMe] " + axis) == 1
 
 

@@ -16,6 +16,7 @@ import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 import xyz_grid  # noqa: E402
 from modules import (  # noqa: E402
+    call_queue,
     errors,
     processing,
     script_callbacks,
@@ -32,6 +33,8 @@ __all__ = [
     "EXT_ROOT",
     "PAIR",
     "WebUI",
+    "api_error",
+    "call_queue",
     "errors",
     "parse_generation_parameters",
     "processing",
@@ -156,8 +159,12 @@ class WebUI:
         res.p = p
         return res
 
-    def api(self, tab: str, payload: dict) -> dict:
-        """``POST /sdapi/v1/{tab}``: infotext, then alwayson_scripts, then process_images."""
+    def api(self, tab: str, payload: dict, host: str = "a1111") -> dict:
+        """``POST /sdapi/v1/{tab}``: infotext, then alwayson_scripts, then process_images.
+
+        ``host``: whose API exception handling answers a failed request, "a1111" or "forge"
+        (see ``api_error``).
+        """
         runner = self.runners[tab]
         args = list(self.api_defaults[tab])
         fields = {k: v for k, v in payload.items()
@@ -188,10 +195,15 @@ class WebUI:
         try:
             with contextlib.closing(p):
                 res = processing.process_images(p)
-        except Exception as e:  # noqa: BLE001 (the API's exception middleware)
-            return {"status": 500, "error": type(e).__name__, "errors": str(e)}
+        except Exception as e:  # noqa: BLE001 (the host's API exception handlers)
+            return api_error(e, host)
         return {"status": 200, "images": res.images, "info": res.info,
                 "infotexts": res.infotexts, "p": p}
+
+    def ui_generate(self, tab: str = "txt2img", tome=None, **fields) -> str:
+        """The Generate button: the UI's call wrapper turns an error into an HTML message."""
+        return call_queue.wrap_gradio_call(
+            lambda: self.generate(tab, tome, **fields).info)()
 
     def paste(self, tab: str, text: str, current: list | None = None) -> list:
         """Paste ``text`` into the prompt box (or PNG Info > Send to): the new script args."""
@@ -218,6 +230,36 @@ class WebUI:
         p = self.make_p(tab, tome, **fields)
         with contextlib.closing(p):
             return xyz_grid.run(p, label, values)
+
+
+def api_error(e: Exception, host: str) -> dict:
+    """A failed request as each host answers it: {"status": HTTP status, **JSON body}.
+
+    A1111 1.10 (one handler for every exception): the status is the exception's own
+    ``status_code`` instance attribute, else 500; the body has ``error`` (class name),
+    ``detail`` and ``body`` (instance attributes, else ""), and ``errors`` (``str(e)``); the
+    traceback is printed unless the exception is a fastapi ``HTTPException``.
+    Forge (the WebUI's app-level handler, its API middleware being off): a starlette
+    ``HTTPException`` goes to fastapi's default handler, ``{"detail": e.detail}`` with its
+    status and nothing printed; anything else gets the instance ``status_code`` or 500, a body
+    with ``error``, ``detail``, ``body`` and ``message`` (``str(e)``), and the ASGI server
+    prints the traceback.
+    """
+    from fastapi.exceptions import HTTPException
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    attrs = vars(e)
+    status = int(attrs.get("status_code", 500))
+    common = {"error": type(e).__name__, "detail": attrs.get("detail", ""),
+              "body": attrs.get("body", "")}
+    if host == "forge":
+        if isinstance(e, StarletteHTTPException):
+            return {"status": e.status_code, "detail": e.detail}
+        errors.report("Exception in ASGI application", exc_info=True)
+        return {"status": status, **common, "message": str(e)}
+    if not isinstance(e, HTTPException):
+        errors.report(f"API error: POST: {common}", exc_info=True)
+    return {"status": status, **common, "errors": str(e)}
 
 
 def tome_args(**named) -> dict:

@@ -1,62 +1,68 @@
 """Infotext: the ``ToMe ...`` keys written under each image, and reading them back into controls.
 
 Only settings that changed the image are written, and config fields only when they differ
-from the library's defaults, so a typical line is ``ToMe ratio: 0.5``. Reading back therefore
-treats a missing key as its default once any ToMe key is present, and turns ToMe off when none
-is: pasting an image's parameters restores exactly the settings that made it.
+from the *library's* defaults, so a typical line is ``ToMe ratio: 0.5, ToMe policy: auto``.
+Reading back therefore treats a missing key as the library default once any ToMe key is
+present, and turns ToMe off when none is: pasting an image's parameters restores exactly the
+settings that made it. In particular an image made before the ``auto`` policy existed (no
+``ToMe policy`` key) reads back as ``fixed``, which is how it was made, although new images
+default to ``auto``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import ToMeConfig, coerce
+from ..config import ToMeConfig, coerce, preset
 from . import settings as S
+
+if TYPE_CHECKING:
+    from .runner import Generation
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
 CONFIG_KEYS = {name: _FIELDS[name].metadata["infotext"] for name in S.CONFIG_KEYS}
+PRESET = "ToMe preset"
 HIRES_ONLY = "ToMe hires only"
 HR_RATIO = "ToMe hr ratio"
+# Notes, not settings: why a model or some blocks were left alone; what the auto policy chose.
 SKIPPED = "ToMe skipped"
+AUTO = "ToMe auto"
 # arg name -> infotext key, for every positional argument except ``enabled``.
-KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO}
-ALL_KEYS = (*KEYS.values(), SKIPPED)
-_DEFAULTS = ToMeConfig()
+KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO, "preset": PRESET}
+ALL_KEYS = (*KEYS.values(), SKIPPED, AUTO)
+_LIBRARY = ToMeConfig()
 
 
-def build(settings: S.ScriptSettings, *, img2img: bool, hires: bool) -> dict[str, Any]:
-    """The infotext entries of a generation, empty when ToMe changes nothing in any pass.
-
-    ``hires``: a hires-fix pass will run (txt2img only).
-    """
-    first = settings.pass_config(hires=False, img2img=img2img)
-    second = settings.pass_config(hires=True) if hires and not img2img else None
-    if first is None and second is None:
+def build(gen: Generation) -> dict[str, Any]:
+    """The infotext entries of a generation, empty when ToMe changes nothing in any pass."""
+    if not any(cfg is not None for cfg in gen.passes.values()):
         return {}
-    cfg = settings.config
-    if img2img:
-        cfg = cfg.replace(ratio=settings.img2img_ratio or cfg.ratio)
+    s = gen.settings
+    cfg = gen.passes.get("img2img") or s.config  # img2img's config carries its own ratio
     out: dict[str, Any] = {}
-    for name, key in CONFIG_KEYS.items():
-        value = getattr(cfg, name)
-        if not _irrelevant(cfg, name) and (name == "ratio" or value != getattr(_DEFAULTS, name)):
-            out[key] = value
-    if second is not None:
-        if settings.hires_only:
+    if s.preset is not None:
+        out[PRESET] = s.preset
+    for name, value in relevant(cfg).items():
+        if name == "ratio" or value != getattr(_LIBRARY, name):
+            out[CONFIG_KEYS[name]] = value
+    if gen.passes.get("hires") is not None:
+        if s.hires_only:
             out[HIRES_ONLY] = True
-        if settings.hr_ratio and settings.hr_ratio != cfg.ratio and cfg.method == "merge":
-            out[HR_RATIO] = settings.hr_ratio
+        if s.hr_ratio and s.hr_ratio != cfg.ratio and cfg.method == "merge":
+            out[HR_RATIO] = s.hr_ratio
     return out
 
 
-def _irrelevant(cfg: ToMeConfig, name: str) -> bool:
-    """Fields that cannot change the image under the chosen method."""
+def relevant(cfg: ToMeConfig) -> dict[str, Any]:
+    """The config fields that can change the image under the chosen method."""
     if cfg.method == "downsample":
-        return name in ("ratio", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn",
-                        "merge_mlp", "matching")
-    return name == "downsample_factor"
+        skip = {"ratio", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp",
+                "matching", "share"}
+    else:
+        skip = {"downsample_factor"}
+    return {name: getattr(cfg, name) for name in S.CONFIG_KEYS if name not in skip}
 
 
 def has_tome(params: Mapping[str, Any]) -> bool:
@@ -71,6 +77,8 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
     """
     if name == "enabled":
         return has_tome
+    if name == "preset":
+        return _read_preset
     key = KEYS[name]
 
     def read(params: Mapping[str, Any]) -> Any:
@@ -93,9 +101,24 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
     return read
 
 
+def _read_preset(params: Mapping[str, Any]) -> str | None:
+    """The preset's name, but only while it still stands for the settings the image lists;
+    otherwise Custom, so the individual controls (restored from their keys) apply."""
+    if not has_tome(params):
+        return None
+    try:
+        key = S.preset_key(params.get(PRESET))
+        if key is None:
+            return S.CUSTOM
+        pasted = ToMeConfig.from_dict({name: params[k] for name, k in CONFIG_KEYS.items()
+                                       if k in params})
+        return S.preset_label(key) if relevant(pasted) == relevant(preset(key)) else S.CUSTOM
+    except ValueError:
+        return S.CUSTOM
+
+
 def _plain_default(name: str, default: Any) -> Any:
     """The value a missing key stands for: the library default (what the writer omitted)."""
     if name in CONFIG_KEYS:
-        value = getattr(_DEFAULTS, name)
-        return "auto" if value is None and name == "max_downsample" else value
+        return S.control_values(_LIBRARY)[name]
     return type(default)()  # hires_only False, hr_ratio 0.0

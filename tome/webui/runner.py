@@ -1,5 +1,10 @@
 """Per-generation patching: the right patch on the loaded model before every sampling pass.
 
+One generation, one pass through this module: ``before_process`` parses the script arguments
+once into a ``Generation``; ``process`` completes it with the WebUI settings (applied by then)
+and derives each sampling pass's config once; the infotext, the console lines and the patching
+all read that object.
+
 The WebUI can swap the model object mid-generation (hires checkpoint, refiner, per-batch weight
 reloads) and skips ``postprocess`` when a generation fails, so nothing here trusts that a
 previous step ran: every sampling pass re-applies the patch for that pass to whichever model
@@ -9,152 +14,174 @@ generation, model load, UI reload and ``p.close()`` clears what is left.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import apply_patch, is_patched, patch_report, remove_patch
+from .. import apply_patch, is_patched, patch_report, policy, remove_patch
 from .. import patch as _patch
+from ..config import ToMeConfig
 from . import infotext
-from .settings import ScriptSettings, check_ratio, parse_args
+from . import settings as S
 
-PLAN_ATTR = "_tome_plan"
+GEN_ATTR = "_tome_generation"
 XYZ_ATTR = "_tome_xyz"  # {setting: value} set on a plot cell's copy of ``p`` by the XYZ axes
 BUILTIN_KEYS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
+PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
 
 _patched: weakref.WeakSet = weakref.WeakSet()
 _said_builtin = False
 
 
 @dataclass
-class Plan:
-    """One generation's settings after the XYZ cell and the WebUI settings were applied."""
+class Generation:
+    """One generation's settings after the XYZ cell and the WebUI settings were applied, the
+    config of each sampling pass (``passes``, derived once in ``process``), and what was
+    reported so far."""
 
-    settings: ScriptSettings
+    settings: S.ScriptSettings | None  # None: invalid settings; the generation is failed
     img2img: bool
-    hires: bool                    # a hires-fix pass will follow the first pass
-    announced: bool = False
-    skipped: str | None = None
-    last_model: Any = field(default=None, repr=False)  # weakref to the model handled last
+    hires: bool = False                # a hires-fix pass follows the first pass
+    passes: dict[str, ToMeConfig | None] = field(default_factory=dict)
+    ready: bool = False                # ``process`` ran: ``passes`` and the infotext are set
+    announced: bool = False            # the one summary line was printed
+    skipped: str | None = None         # why the model is not merged at all
+    said: set[str] = field(default_factory=set)         # notes printed once per generation
+    auto: dict[str, str] = field(default_factory=dict)  # pass -> what the auto policy chose
+    forge_patches: list[Any] = field(default_factory=list, repr=False)
+    last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
 
-    def config(self, p: Any):
-        cfg = self.settings.pass_config(hires=bool(getattr(p, "is_hr_pass", False)),
-                                        img2img=self.img2img)
-        return None if cfg is None else cfg.replace(seed=seed_of(p))
+    def pass_name(self, p: Any) -> str:
+        if self.img2img:
+            return "img2img"
+        return "hires" if getattr(p, "is_hr_pass", False) else "first"
 
-    def passes(self) -> str:
-        s = self.settings
-
-        def what(cfg) -> str:
+    def describe_passes(self) -> str:
+        def what(cfg: ToMeConfig | None) -> str:
             if cfg is None:
                 return "off"
             return f"ratio {cfg.ratio:g}" if cfg.method == "merge" \
                 else f"downsample x{cfg.downsample_factor}"
-        if self.img2img:
-            return f"img2img {what(s.pass_config(hires=False, img2img=True))}"
-        first = f"first pass {what(s.pass_config(hires=False))}"
-        return f"{first}, hires pass {what(s.pass_config(hires=True))}" if self.hires else first
+        return ", ".join(f"{PASS_LABELS[name]} {what(cfg)}" for name, cfg in self.passes.items())
 
 
 # ----------------------------------------------------------------------------- hooks
 
-def before_process(p: Any, args: Sequence[Any]) -> None:
-    """Clear stale patches, validate early, keep the built-in token merging out of the way."""
+def before_process(p: Any, args: Sequence[Any], *, img2img: bool) -> None:
+    """Clear stale patches, parse the arguments (the only time), keep the built-in token
+    merging out of the way."""
     restore_all()
     model = _current_model(p)
     if model is not None and is_patched(model):  # patched by an earlier instance of this code
         remove_patch(model)
-    try:
-        settings = parse_args(args, getattr(p, XYZ_ATTR, None))
-    except ValueError as e:
-        _fail_generation(p, e)
-        return
-    if settings.enabled:
+    gen = _parse(p, args, img2img)
+    if gen.settings is not None and gen.settings.enabled:
         _guard_close(p)
         _disable_builtin(p)
 
 
 def process(p: Any, args: Sequence[Any], *, img2img: bool) -> None:
-    """Read the WebUI settings (overrides are applied by now), plan the passes, write infotext."""
+    """Complete the generation with the WebUI settings (overrides are applied by now), derive
+    each pass's config, write the infotext."""
     _strip_infotext(p)
-    setattr(p, PLAN_ATTR, None)
+    gen = getattr(p, GEN_ATTR, None)
+    if not isinstance(gen, Generation):  # a host that skipped before_process
+        gen = _parse(p, args, img2img)
+    if gen.settings is None or not gen.settings.enabled:
+        return
     xyz = getattr(p, XYZ_ATTR, None) or {}
     try:
-        settings = parse_args(args, xyz)
-        if not settings.enabled:
-            return
-        opts = _opts()
-        hires_only = settings.hires_only if "hires_only" in xyz else \
-            settings.hires_only or bool(getattr(opts, "tome_hires_only", False))
-        hr_ratio = settings.hr_ratio or float(getattr(opts, "tome_hr_ratio", 0.0) or 0.0)
-        check_ratio("hr_ratio (setting tome_hr_ratio)", hr_ratio, settings.config)
-        settings = ScriptSettings(True, settings.config, hires_only, hr_ratio,
-                                  settings.img2img_ratio)
+        gen.settings = _with_options(gen.settings, xyz)
     except ValueError as e:
+        gen.settings = None
         _fail_generation(p, e)
         return
-    hires = not img2img and bool(getattr(p, "enable_hr", False))
-    plan = Plan(settings, img2img=img2img, hires=hires)
-    if not img2img and settings.hires_only and not hires:
+    gen.hires = not img2img and bool(getattr(p, "enable_hr", False))
+    gen.passes = gen.settings.passes(img2img=img2img, hires=gen.hires)
+    gen.ready = True
+    if not img2img and gen.settings.hires_only and not gen.hires:
         print("ToMe: 'Only in hires fix' is on but hires fix is off: nothing is merged")
-    p.extra_generation_params.update(infotext.build(settings, img2img=img2img, hires=hires))
-    setattr(p, PLAN_ATTR, plan)
+    p.extra_generation_params.update(infotext.build(gen))
 
 
-def before_sampling(p: Any) -> None:
-    """Right before a sampler runs: patch the current model for this pass, unpatch the rest."""
-    plan: Plan | None = getattr(p, PLAN_ATTR, None)
+def before_sampling(p: Any, x: Any = None) -> None:
+    """Right before a sampler runs: patch the current model for this pass, unpatch the rest.
+
+    ``x``: the latent the sampler starts from (the hook's keyword argument), which gives the
+    pass's exact size and compute device; without it (WebUI < 1.10) they come from ``p``.
+    """
+    gen: Generation | None = getattr(p, GEN_ATTR, None)
     model = _current_model(p)
     for m in list(_patched):
         if m is not model:
             _unpatch(m)
-    if plan is None or model is None:
+    if gen is None or not gen.ready or model is None:
         if model is not None and model in _patched:
             _unpatch(model)
         return
-    plan.last_model = weakref.ref(model)
-    cfg = plan.config(p)
+    gen.last_model = weakref.ref(model)
+    name = gen.pass_name(p)
+    cfg = gen.passes.get(name)
     if cfg is None:
         _unpatch(model)
         return
+    cfg = cfg.replace(seed=seed_of(p))
     if hasattr(model, "forge_objects"):
-        _patch_forge(model, plan, cfg)
+        _patch_forge(p, model, gen, cfg, name, x)
         return
     reason = _unsupported(model)
+    notes: list[str] = []
     if reason is None:
         try:
-            apply_patch(model, config=cfg)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                apply_patch(model, config=cfg)
+            notes = _library_notes(caught)
         except _patch.UnsupportedModelError as e:
             reason = str(e).removeprefix("ToMe: ")
+        except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
+            _unpatch(model)
+            reason = f"patching failed ({type(e).__name__}: {e})"
     if reason is not None:
-        _skip(p, plan, reason)
+        _skip(p, gen, reason)
         return
     _patched.add(model)
     report = patch_report(model)
     if report.skipped:
-        p.extra_generation_params[infotext.SKIPPED] = (
-            f"{len(report.skipped)} block(s): {report.skipped[0][1]}")
-    if not plan.announced:
-        plan.announced = True
-        print(describe(model, report, plan, cfg.seed))
+        _note_skipped(p, gen, report.skipped)
+    if not gen.announced:
+        gen.announced = True
+        print(describe(model, report, gen, cfg.seed))
+    for note in notes:
+        _say(gen, note)
+    _auto_note(p, gen, name, cfg, sorted(report.levels), x, model)
+
+
+def after_batch(p: Any) -> None:
+    """After each batch's sampling, before its images' infotext: blocks Forge skipped."""
+    gen: Generation | None = getattr(p, GEN_ATTR, None)
+    if gen is not None:
+        _note_forge_skips(p, gen)
 
 
 def after_generation(p: Any) -> None:
-    setattr(p, PLAN_ATTR, None)
+    setattr(p, GEN_ATTR, None)
     restore_all()
 
 
 def on_cfg_denoiser(params: Any) -> None:
     """Every step: patch a model switched in mid-sampling (the refiner), once per model."""
     p = getattr(getattr(params, "denoiser", None), "p", None)
-    plan: Plan | None = getattr(p, PLAN_ATTR, None)
-    if plan is None or plan.skipped is not None:
+    gen: Generation | None = getattr(p, GEN_ATTR, None)
+    if gen is None or not gen.ready or gen.skipped is not None:
         return
+    _note_forge_skips(p, gen)
     model = _current_model(p)
-    last = plan.last_model() if plan.last_model is not None else None
+    last = gen.last_model() if gen.last_model is not None else None
     if model is not None and model is not last:
-        before_sampling(p)
+        before_sampling(p, getattr(params, "x", None))
 
 
 def on_model_loaded(sd_model: Any) -> None:
@@ -171,19 +198,20 @@ def restore_all() -> None:
 
 # ----------------------------------------------------------------------------- helpers
 
-def describe(model: Any, report: Any, plan: Plan, seed: int) -> str:
+def describe(model: Any, report: Any, gen: Generation, seed: int) -> str:
     """The one console line per generation that shows ToMe is working."""
     kind = next((k for k, flag in (("SDXL", "is_sdxl"), ("SD2", "is_sd2"), ("SD1", "is_sd1"))
                  if getattr(model, flag, False)), "")
     levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(report.levels.items())) or "none"
-    line = (f"ToMe: {kind + ' ' if kind else ''}({report.family}) {plan.passes()}; "
+    line = (f"ToMe: {kind + ' ' if kind else ''}({report.family}) {gen.describe_passes()}; "
             f"{report.patched_blocks}/{report.total_blocks} blocks patched at downsample <= "
             f"{report.max_downsample} ({levels})")
     c = report.config
     if c.start > 0 or c.end < 1:
         line += f", steps {c.start:g}-{c.end:g}"
     if report.skipped:
-        line += f"; {len(report.skipped)} block(s) skipped: {report.skipped[0][1]}"
+        gen.said.add("skipped")
+        line += f"; {_skipped_text(report.skipped)}"
     if c.method == "merge" and c.use_rand:
         line += f"; seed {seed}"
     return line
@@ -195,6 +223,119 @@ def seed_of(p: Any) -> int:
         if seeds:
             return int(seeds[0])
     return int(getattr(p, "seed", 0) or 0)
+
+
+def latent_size(p: Any, name: str, x: Any = None) -> tuple[int, int]:
+    """(height, width) of the latent a pass samples: ``x``'s when given, else from ``p``."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) >= 2:
+        return int(shape[-2]), int(shape[-1])
+    w, h = int(getattr(p, "width", 512)), int(getattr(p, "height", 512))
+    if name == "hires":
+        w = int(getattr(p, "hr_upscale_to_x", 0) or w * getattr(p, "hr_scale", 1))
+        h = int(getattr(p, "hr_upscale_to_y", 0) or h * getattr(p, "hr_scale", 1))
+    return h // 8, w // 8
+
+
+def compute_device(model: Any, x: Any = None) -> Any:
+    """Where the pass runs: ``x``'s device, else the WebUI's device, else the UNet's (which may
+    sit on the CPU between passes with --medvram or --lowvram)."""
+    device = getattr(x, "device", None)
+    if device is not None:
+        return device
+    try:
+        from modules import devices
+        return devices.device
+    except (ImportError, AttributeError):
+        pass
+    try:
+        return next(_patch.find_unet(model).parameters()).device
+    except Exception:  # noqa: BLE001 (no parameters, or not a UNet: the safest kind)
+        return policy.FALLBACK
+
+
+def _parse(p: Any, args: Sequence[Any], img2img: bool) -> Generation:
+    """The one parse of a generation's arguments, stored on ``p``."""
+    try:
+        settings = S.parse_args(args, getattr(p, XYZ_ATTR, None))
+    except ValueError as e:
+        settings = None
+        _fail_generation(p, e)
+    gen = Generation(settings, img2img)
+    setattr(p, GEN_ATTR, gen)
+    return gen
+
+
+def _with_options(settings: S.ScriptSettings, xyz: dict[str, Any]) -> S.ScriptSettings:
+    """The Settings-tab options (per request through ``override_settings``)."""
+    opts = _opts()
+    hires_only = settings.hires_only if "hires_only" in xyz else \
+        settings.hires_only or bool(getattr(opts, "tome_hires_only", False))
+    hr_ratio = settings.hr_ratio or float(getattr(opts, "tome_hr_ratio", 0.0) or 0.0)
+    S.check_ratio("hr_ratio (setting tome_hr_ratio)", hr_ratio, settings.config)
+    return settings.replace(hires_only=hires_only, hr_ratio=hr_ratio)
+
+
+def _auto_note(p: Any, gen: Generation, name: str, cfg: ToMeConfig, levels: list[int],
+               x: Any, model: Any) -> None:
+    """Say once per pass what the auto policy will do and why (console and infotext)."""
+    if cfg.policy != "auto" or name in gen.auto:
+        return
+    latent = latent_size(p, name, x)
+    kind = policy.device_kind(compute_device(model, x))
+    text = policy.summary(policy.decide(cfg, latent, levels, kind), latent)
+    gen.auto[name] = f"{PASS_LABELS[name]} {text}"
+    print(f"ToMe auto: {gen.auto[name]}")
+    p.extra_generation_params[infotext.AUTO] = " | ".join(gen.auto.values())
+
+
+def _library_notes(caught: list) -> list[str]:
+    """The library's warnings while patching: its ToMe messages become console notes (skipped
+    blocks are in the summary line already); any other warning is shown as usual."""
+    notes = []
+    for w in caught:
+        text = str(w.message)
+        if not text.startswith("ToMe:"):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif not text.startswith("ToMe: skipped"):
+            notes.append(text)
+    return notes
+
+
+def _say(gen: Generation, line: str) -> None:
+    if line not in gen.said:
+        gen.said.add(line)
+        print(line)
+
+
+def _skipped_text(skipped: list[tuple[Any, str]]) -> str:
+    return f"{len(skipped)} block(s) skipped: {skipped[0][1]}"
+
+
+def _note_skipped(p: Any, gen: Generation, skipped: list[tuple[Any, str]]) -> None:
+    """Blocks another extension has taken over are left alone: one infotext note, and one
+    console line unless the summary line already said it."""
+    p.extra_generation_params[infotext.SKIPPED] = f"{len(skipped)} block(s): {skipped[0][1]}"
+    if gen.announced and "skipped" not in gen.said:
+        gen.said.add("skipped")
+        print(f"ToMe: {_skipped_text(skipped)}; the other blocks are merged")
+
+
+def _note_forge_skips(p: Any, gen: Generation) -> None:
+    """Forge's patch learns while sampling which blocks another patch replaces."""
+    skipped = [s for patch in gen.forge_patches for s in getattr(patch, "skipped", None) or ()]
+    if skipped:
+        _note_skipped(p, gen, skipped)
+
+
+def _forge_levels(unet_patcher: Any, patch: Any) -> list[int]:
+    """The UNet levels a Forge patch covers."""
+    levels = getattr(patch, "levels", None)
+    if levels:
+        return sorted(levels)
+    unet = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
+    known = _patch.block_levels(unet).values() if unet is not None else ()
+    return sorted({d for d in known if 0 < d <= patch.max_downsample})
 
 
 def _unpatch(model: Any) -> None:
@@ -224,22 +365,33 @@ def _unsupported(model: Any) -> str | None:
     return None
 
 
-def _patch_forge(model: Any, plan: Plan, cfg: Any) -> None:
+def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
+                 x: Any) -> None:
     """Forge rebuilds its UNet patcher before every pass: add our patches to that pass's clone."""
     from .. import forge
-    unet, patch = forge.patch_unet(model.forge_objects.unet, cfg)
+    original = model.forge_objects.unet
+    try:
+        unet, patch = forge.patch_unet(original, cfg)
+    except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
+        _skip(p, gen, f"patching failed ({type(e).__name__}: {e})")
+        return
     model.forge_objects.unet = unet
-    if patch is not None and not plan.announced:
-        plan.announced = True
+    if patch is None:
+        return
+    if patch not in gen.forge_patches:
+        gen.forge_patches.append(patch)
+    if not gen.announced:
+        gen.announced = True
         what = f"ratio {cfg.ratio:g}" if cfg.method == "merge" \
             else f"downsample x{cfg.downsample_factor}"
-        print(f"ToMe: Forge UNet (attn1 patch), {plan.passes()}; {what} at downsample <= "
-              f"{patch.max_downsample}; seed {cfg.seed}")
+        print(f"ToMe: Forge UNet (attn1 patch), {gen.describe_passes()}; {what} at downsample "
+              f"<= {patch.max_downsample}; seed {cfg.seed}")
+    _auto_note(p, gen, name, cfg, _forge_levels(original, patch), x, model)
 
 
-def _skip(p: Any, plan: Plan, reason: str) -> None:
-    if plan.skipped is None:
-        plan.skipped = reason
+def _skip(p: Any, gen: Generation, reason: str) -> None:
+    if gen.skipped is None:
+        gen.skipped = reason
         print(f"ToMe: skipped, the image is generated without merging: {reason}")
     p.extra_generation_params[infotext.SKIPPED] = reason
 
@@ -283,14 +435,19 @@ def _strip_infotext(p: Any) -> None:
                                      if k not in infotext.ALL_KEYS}
 
 
-def _fail_generation(p: Any, error: Exception) -> None:
-    """Stop the generation with ``error`` as its message.
+def _fail_generation(p: Any, error: ValueError) -> None:
+    """Stop the generation with ``error`` as its message, before anything is sampled.
 
     The WebUI catches and only prints exceptions from script hooks, so an invalid setting
     would silently generate an unmerged image. Instead the next method the WebUI calls on
     ``p`` after ``before_process`` (the built-in ratio getter) or after ``process`` (``init``)
-    raises, which fails the request (API: HTTP 500 naming the setting) before any sampling.
+    raises. The error is a ``settings.invalid`` one: the API answers it with HTTP 422 and
+    prints no traceback, so the line printed here is the console's only one; the UI shows
+    the message.
     """
+    error = S.invalid(error)
+    print(f"{error}; the generation is stopped")
+
     def fail(*args: Any, **kwargs: Any) -> None:
         raise error
 

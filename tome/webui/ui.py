@@ -13,12 +13,23 @@ import dataclasses
 import json
 from typing import Any
 
-from ..config import AUTO, ToMeConfig
+from ..config import PRESETS, ToMeConfig, preset
 from . import infotext
-from .settings import ARGS
+from .settings import ARGS, CONFIG_KEYS, DEFAULT, PRESET_CHOICES, control_values, preset_key
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
-_DEFAULTS = ToMeConfig()
+_DEFAULTS = control_values(DEFAULT)  # the controls' defaults: the library's, policy auto
+
+
+def _preset_summary(key: str) -> str:
+    """E.g. "downsample x4, max downsample 2, auto policy", from the preset's own values."""
+    values, cfg = PRESETS[key], preset(key)
+    parts = [f"merge ratio {cfg.ratio:g}" if cfg.method == "merge"
+             else f"downsample x{cfg.downsample_factor}"]
+    parts += [f"{_FIELDS[k].metadata['label'].lower()} {v}" for k, v in values.items()
+              if k not in ("method", "ratio", "downsample_factor", "policy")]
+    return ", ".join(parts) + f", {cfg.policy} policy"
+
 
 # Controls that are not config fields: (label, tooltip).
 _EXTRA = {
@@ -33,6 +44,11 @@ _EXTRA = {
     "hr_ratio": ("Hires ratio", (
         "Ratio of the hires-fix pass (0 = same as Ratio). The hires pass usually tolerates more "
         "merging than the first pass.")),
+    "preset": ("Preset", (
+        "Named settings: " + "; ".join(f"{k.title()}: {_preset_summary(k)}" for k in PRESETS)
+        + ". A preset sets every control of how tokens are merged (shown greyed out while it "
+        "is chosen); Only in hires fix and Hires ratio stay yours. Custom: the controls as you "
+        "set them, starting from the last preset's values.")),
 }
 LABELS = {**{n: f.metadata["label"] for n, f in _FIELDS.items()},
           **{n: label for n, (label, _) in _EXTRA.items()}}
@@ -43,47 +59,53 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
     """Create the controls (inside the caller's gradio context) and set the paste fields."""
     import gradio as gr
 
-    ratio = _DEFAULTS.ratio if default_ratio is None else default_ratio
+    ratio = _DEFAULTS["ratio"] if default_ratio is None else default_ratio
     c: dict[str, Any] = {}
 
     def slider(name: str, value: Any = None, maximum: float | None = None, scale: int = 1):
         meta = _FIELDS[name].metadata if name in _FIELDS else _FIELDS["ratio"].metadata
         c[name] = gr.Slider(
             minimum=meta["minimum"], maximum=meta.get("maximum", maximum), step=meta["step"],
-            value=getattr(_DEFAULTS, name) if value is None else value, label=LABELS[name],
+            value=_DEFAULTS[name] if value is None else value, label=LABELS[name],
             elem_id=script.elem_id(name), scale=scale)
 
-    def radio(name: str, choices: tuple, scale: int = 1) -> None:
-        value = getattr(_DEFAULTS, name)
-        c[name] = gr.Radio(choices=list(choices), value=AUTO if value is None else str(value),
+    def radio(name: str, choices: tuple | None = None, value: str | None = None,
+              scale: int = 1) -> None:
+        c[name] = gr.Radio(choices=list(choices or _FIELDS[name].metadata["choices"]),
+                           value=_DEFAULTS[name] if value is None else value,
                            label=LABELS[name], elem_id=script.elem_id(name), scale=scale)
 
     def checkbox(name: str, value: bool | None = None) -> None:
-        c[name] = gr.Checkbox(value=getattr(_DEFAULTS, name) if value is None else value,
+        c[name] = gr.Checkbox(value=_DEFAULTS[name] if value is None else value,
                               label=LABELS[name], elem_id=script.elem_id(name))
 
     # The layout is free to change; the returned order (ARGS) is not.
     with _input_accordion(LABELS["enabled"], script.elem_id("enabled")) as enabled:
         c["enabled"] = enabled
         with gr.Row():
-            slider("ratio", ratio, maximum=_DEFAULTS.max_ratio, scale=2)
+            radio("preset", PRESET_CHOICES, PRESET_CHOICES[0], scale=3)
+            radio("policy", scale=2)
+        with gr.Row():
+            slider("ratio", ratio, maximum=DEFAULT.max_ratio, scale=2)
             slider("sx")
             slider("sy")
         with gr.Row():
-            radio("max_downsample", _FIELDS["max_downsample"].metadata["choices"], scale=3)
-            radio("method", _FIELDS["method"].metadata["choices"], scale=2)
+            radio("max_downsample", scale=3)
+            radio("method", scale=2)
         with gr.Row():
             slider("start")
             slider("end")
             slider("downsample_factor")
         with gr.Row(visible=not is_img2img):  # img2img has no hires pass; kept for arg order
             checkbox("hires_only", False)
-            slider("hr_ratio", 0.0, maximum=_DEFAULTS.max_ratio, scale=2)
+            slider("hr_ratio", 0.0, maximum=DEFAULT.max_ratio, scale=2)
         with gr.Accordion("Advanced", open=False):
             with gr.Row():
                 for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
                     checkbox(name)
-            radio("matching", _FIELDS["matching"].metadata["choices"])
+            with gr.Row():
+                radio("matching")
+                radio("share")
 
     def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
         top = ToMeConfig(ratio=0.0, sx=max(1, int(sx)), sy=max(1, int(sy))).max_ratio
@@ -93,6 +115,20 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
     for name in ("sx", "sy"):
         c[name].change(clamp_ratios, inputs=[c["sx"], c["sy"], c["ratio"], c["hr_ratio"]],
                        outputs=[c["ratio"], c["hr_ratio"]], show_progress=False)
+
+    def show_preset(choice: str) -> list[Any]:
+        """A named preset shows its values in the (greyed) controls; Custom frees them."""
+        try:
+            key = preset_key(choice)
+        except ValueError:
+            key = None
+        if key is None:
+            return [gr.update(interactive=True) for _ in CONFIG_KEYS]
+        values = control_values(preset(key))
+        return [gr.update(value=values[n], interactive=False) for n in CONFIG_KEYS]
+
+    c["preset"].change(show_preset, inputs=[c["preset"]], outputs=[c[n] for n in CONFIG_KEYS],
+                       show_progress=False)
 
     script.infotext_fields = [(c[n], infotext.reader(n, c[n].value)) for n in ARGS]
     return [c[n] for n in ARGS]

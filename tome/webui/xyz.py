@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..config import MATCHINGS, METHODS, ToMeConfig
+from ..config import MATCHINGS, METHODS, POLICIES, SHARES, ToMeConfig
 from .runner import XYZ_ATTR
-from .settings import from_dict
+from .settings import PRESET_CHOICES, from_dict, invalid
 
 PREFIX = "[ToMe] "
 _MAX_DOWNSAMPLE_CHOICES = next(f.metadata["choices"] for f in dataclasses.fields(ToMeConfig)
@@ -48,10 +48,13 @@ def confirm(name: str) -> Callable[[Any, list], None]:
     """Check every value of an axis on its own, with the error the generation would give."""
     def check(p: Any, xs: list) -> None:
         for x in xs:
-            values = _values(name, x)
-            if name in ("ratio", "hr_ratio"):
-                values.update(sx=4, sy=4)  # the most a 4x4 stride allows; checked again later
-            from_dict({"enabled": True, **values})
+            try:
+                values = _values(name, x)
+                if name in ("ratio", "hr_ratio"):
+                    values.update(sx=4, sy=4)  # the most a 4x4 stride allows; checked later
+                from_dict({"enabled": True, **values})
+            except ValueError as e:
+                raise invalid(e) from None
     return check
 
 
@@ -60,6 +63,10 @@ def axes(xyz: Any) -> list[Any]:
     return [
         A(PREFIX + "Enabled", str, set_value("enabled"), confirm=confirm("enabled"),
           choices=lambda: _BOOLS),
+        A(PREFIX + "Preset", str, set_value("preset"), confirm=confirm("preset"),
+          choices=lambda: list(PRESET_CHOICES)),
+        A(PREFIX + "Policy", str, set_value("policy"), confirm=confirm("policy"),
+          choices=lambda: list(POLICIES)),
         A(PREFIX + "Ratio", float, set_value("ratio"), confirm=confirm("ratio")),
         A(PREFIX + "Hires ratio", float, set_value("hr_ratio"), confirm=confirm("hr_ratio")),
         A(PREFIX + "Stride", str, set_value("stride"), confirm=confirm("stride"),
@@ -73,6 +80,8 @@ def axes(xyz: Any) -> list[Any]:
           confirm=confirm("downsample_factor")),
         A(PREFIX + "Matching", str, set_value("matching"), confirm=confirm("matching"),
           choices=lambda: list(MATCHINGS)),
+        A(PREFIX + "Plan sharing", str, set_value("share"), confirm=confirm("share"),
+          choices=lambda: list(SHARES)),
         A(PREFIX + "Start", float, set_value("start"), confirm=confirm("start")),
         A(PREFIX + "End", float, set_value("end"), confirm=confirm("end")),
         A(PREFIX + "Hires only", str, set_value("hires_only"), confirm=confirm("hires_only"),

@@ -128,7 +128,13 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         self.firstpass_image = firstpass_image
         self.is_hr_pass = False
         self.hr_model = None  # a hires checkpoint, loaded before the hires pass
+        self.hr_upscale_to_x = self.hr_upscale_to_y = 0
         super().__init__(**kwargs)
+
+    def init(self, all_prompts, all_seeds, all_subseeds):
+        if self.enable_hr:  # the hires pass's target size, in pixels
+            self.hr_upscale_to_x = int(self.width * self.hr_scale)
+            self.hr_upscale_to_y = int(self.height * self.hr_scale)
 
     def sample(self):
         shape = (1, 4, self.height // 8, self.width // 8)
