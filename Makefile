@@ -21,14 +21,15 @@ $(STAMP): pyproject.toml
 
 # Grid of images, quality-vs-speed plot and table on the shipped tiny model (out/showcase/).
 demo: setup
-	$(PY) -m tome.showcase
+	$(PY) -m tome.lab.showcase
 
 # One SD1.5 UNet forward with and without ToMe (random weights): speed only.
 speed-demo: setup
-	$(PY) -m tome.demo
+	$(PY) -m tome.lab.demo
 
+# SD1.5 at 256 px and the matching step, unmerged vs tomesd vs ours (python -m tome.bench works too).
 bench: setup
-	$(PY) -m tome.bench --quick
+	$(PY) -m tome.lab.bench --quick
 
 test: setup
 	$(PY) -m pytest -q

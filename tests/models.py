@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tome.bench import wake
+from tome.lab.models import wake
 
 # SD1.5's UNet config (v1-inference.yaml) with narrower channels: same levels, same 16 blocks.
 SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320,

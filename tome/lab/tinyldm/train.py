@@ -1,6 +1,6 @@
 """Train the tiny diffusion model on one CPU thread.
 
-    OMP_NUM_THREADS=1 python -m tome.tinyldm.train --out out/tinyldm --seed 0 --minutes 60
+    OMP_NUM_THREADS=1 python -m tome.lab.tinyldm.train --out out/tinyldm --seed 0 --minutes 60
 
 Training is progressive: first 32x32 crops (the top level then has 1024 tokens, so
 attention costs 16x less), then 64x64 crops at the same pixel density; the UNet is
@@ -171,6 +171,7 @@ def main(argv=None) -> None:
 
     phases = parse_phases(args.phases)
     bf16 = not args.fp32
+    dtype = torch.bfloat16 if bf16 else None
     train_photos = data.load_photos("train", args.cache)
     heldout = data.heldout_batch(EVAL_N, 64, seed=0, cache_dir=args.cache)
     fixed = data.random_crops(train_photos, EVAL_N, 64, torch.Generator().manual_seed(1))
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
         "lr": args.lr,
         "ema": args.ema,
         "data_sources": data.sources(),
-        "command": "python -m tome.tinyldm.train "
+        "command": "python -m tome.lab.tinyldm.train "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "dtype": "float16",
@@ -197,8 +198,8 @@ def main(argv=None) -> None:
 
     def evaluate(step: int, elapsed: float) -> tuple[float, float]:
         with torch.no_grad():
-            h = denoising_loss(ema, *heldout, eval_t, 0, bf16=bf16).item()
-            f = denoising_loss(ema, *fixed, eval_t, 0, bf16=bf16).item()
+            h = denoising_loss(ema, *heldout, eval_t, 0, dtype=dtype).item()
+            f = denoising_loss(ema, *fixed, eval_t, 0, dtype=dtype).item()
         with open(out / "eval_log.csv", "a", newline="") as fh:
             csv.writer(fh).writerow([step, f"{elapsed:.1f}", f"{h:.5f}", f"{f:.5f}"])
         print(f"eval step {step}: held-out {h:.4f} train-fixed {f:.4f}", flush=True)
@@ -228,7 +229,7 @@ def main(argv=None) -> None:
             drop = torch.rand(batch, generator=g_noise) < args.cond_drop
             y = torch.where(drop, torch.full_like(y, model.null_class), y)
             t = torch.randint(0, len(model.alphas_cumprod), (batch,), generator=g_noise)
-            loss = denoising_loss(model, x, y, t, g_noise, bf16=bf16)
+            loss = denoising_loss(model, x, y, t, g_noise, dtype=dtype)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -22,7 +22,7 @@ from ldm.modules.attention import CrossAttention
 from ldm.modules.diffusionmodules.openaimodel import UNetModel
 from torch import nn
 
-from ..sdpa import sdpa_forward
+from ..models import DTYPES, sdpa_forward
 
 DEFAULT_WEIGHTS = Path(__file__).with_name("tiny64.safetensors")
 
@@ -139,8 +139,17 @@ def _as_generator(seed: int | torch.Generator) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
 
-def _autocast(bf16: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+def _autocast(device: torch.device, dtype: torch.dtype | str | None):
+    """Mixed precision in ``dtype`` (a torch dtype or fp32/bf16/fp16) on ``device``; none for
+    fp32 or None: the weights stay fp32 and only the compute dtype changes."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if dtype is None or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def denoising_loss(
@@ -149,25 +158,27 @@ def denoising_loss(
     class_ids: torch.Tensor,
     timesteps: torch.Tensor | int,
     seed: int | torch.Generator,
-    bf16: bool = False,
+    dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Mean squared error of the model's prediction target (v, or noise for epsilon models).
 
     ``images`` are in [0, 1]; noise comes from ``seed`` only, so a fixed batch, timesteps
     and seed give a repeatable number (used both for training and held-out evaluation).
-    Differentiable; wrap in ``torch.no_grad()`` for evaluation.
+    Differentiable; wrap in ``torch.no_grad()`` for evaluation. ``dtype``: the compute dtype
+    (autocast; None = fp32).
     """
-    x0 = images * 2 - 1
+    dev = _device(model)
+    x0 = images.to(dev) * 2 - 1
     b = x0.shape[0]
-    t = torch.as_tensor(timesteps, dtype=torch.long).expand(b)
-    noise = torch.randn(x0.shape, generator=_as_generator(seed))
+    t = torch.as_tensor(timesteps, dtype=torch.long).expand(b).to(dev)
+    noise = torch.randn(x0.shape, generator=_as_generator(seed)).to(dev)
     a = model.alphas_cumprod[t].view(b, 1, 1, 1)
     xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
     target = (
         noise if model.config["prediction"] == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0
     )
-    with _autocast(bf16):
-        pred = model(xt, t, class_ids)
+    with _autocast(dev, dtype):
+        pred = model(xt, t, class_ids.to(dev))
     return F.mse_loss(pred.float(), target)
 
 
@@ -179,22 +190,25 @@ def sample(
     steps: int = 25,
     size: int = 64,
     guidance: float = 1.0,
-    bf16: bool = False,
+    dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Deterministic DDIM (eta=0) sampling; returns (B, 3, size, size) images in [0, 1].
 
     The starting noise comes from a private generator seeded with ``seed``; torch's
     global RNG is never used. ``guidance`` > 1 runs classifier-free guidance with the
     conditional and null-class halves in one batch, as Stable Diffusion samplers do.
+    ``dtype``: the compute dtype (autocast on the model's device; None = fp32). Runs on the
+    model's device; the starting noise is drawn on the CPU, so every device starts alike.
     """
-    class_ids = torch.as_tensor(class_ids, dtype=torch.long).reshape(-1)
+    dev = _device(model)
+    class_ids = torch.as_tensor(class_ids, dtype=torch.long).reshape(-1).to(dev)
     b = class_ids.shape[0]
-    x = torch.randn((b, 3, size, size), generator=_as_generator(seed))
+    x = torch.randn((b, 3, size, size), generator=_as_generator(seed)).to(dev)
     acp = model.alphas_cumprod
     ts = torch.linspace(acp.shape[0] - 1, 0, steps).round().long().tolist()
     for i, t in enumerate(ts):
-        tt = torch.full((b,), t, dtype=torch.long)
-        with _autocast(bf16):
+        tt = torch.full((b,), t, dtype=torch.long, device=dev)
+        with _autocast(dev, dtype):
             if guidance == 1.0:
                 out = model(x, tt, class_ids).float()
             else:
@@ -203,7 +217,7 @@ def sample(
                 cond, uncond = both.float().chunk(2)
                 out = uncond + guidance * (cond - uncond)
         a = acp[t]
-        a_prev = acp[ts[i + 1]] if i + 1 < len(ts) else torch.tensor(1.0)
+        a_prev = acp[ts[i + 1]] if i + 1 < len(ts) else torch.ones((), device=dev)
         if model.config["prediction"] == "epsilon":
             x0 = (x - (1 - a).sqrt() * out) / a.sqrt()
         else:

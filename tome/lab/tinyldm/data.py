@@ -35,8 +35,6 @@ PACKAGES = {
     },
 }
 
-CLASSES = ["landscape", "flower", "foliage", "object"]
-
 MATE, LOMIRI = "mate-backgrounds", "lomiri-wallpapers-16.04"
 
 

@@ -1,10 +1,10 @@
 """See what each ToMe setting costs: a grid of images, a quality-vs-speed plot and a table.
 
-    python -m tome.showcase                 # a few minutes on one CPU core
-    python -m tome.showcase --seeds 0,1 --steps 25 --threads 2 --out out/showcase
-    python -m tome.showcase --preset full   # every method and option of the library
+    python -m tome.lab.showcase                 # under 3 minutes on one CPU core
+    python -m tome.lab.showcase --seeds 0,1 --steps 25 --threads 2 --out out/showcase
+    python -m tome.lab.showcase --preset full   # every method and option of the library
 
-Uses the small diffusion model shipped in ``tome/tinyldm`` (trained on photos, real ``ldm``
+Uses the small diffusion model shipped in ``tome/lab/tinyldm`` (trained on photos, real ``ldm``
 UNet, 4096 tokens at its top level as SD 1.5 at 512 px). Every setting samples the same
 seeds, so each image can be compared with the unmerged one above its caption: PSNR/SSIM
 measure how far it drifted. The held-out loss says whether the model got worse at
@@ -22,7 +22,34 @@ from pathlib import Path
 
 import torch
 
-from . import quality
+from . import quality, report
+from .device import machine, pick_dtype
+from .models import DTYPES
+from .variants import parse_settings
+
+#: The grid's settings: each method at increasing strength, plus a timestep window.
+DEFAULT_SETTINGS = (
+    "unmerged",
+    "merge:0.25",
+    "merge:0.5",
+    "merge:0.75",
+    "merge:0.5:matching=local",
+    "downsample:2",
+    "downsample:4",
+    "merge:0.75:end=0.5",
+)
+
+#: Every method and option of the library, for the full quality table.
+FULL_SETTINGS = DEFAULT_SETTINGS + (
+    "merge:0.25:matching=local",
+    "merge:0.75:matching=local",
+    "merge:0.5:use_rand=False",
+    "merge:0.5:max_downsample=2",
+    "merge:0.5:merge_crossattn=True",
+    "merge:0.5:merge_mlp=True",
+    "merge:0.5:start=0.5",
+    "downsample:2:max_downsample=2",
+)
 
 QUICK_SETTINGS = ("unmerged", "merge:0.5", "downsample:2")
 
@@ -42,7 +69,7 @@ def _heldout(n: int, size: int, cache: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tome.showcase",
+    p = argparse.ArgumentParser(prog="python -m tome.lab.showcase",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out/showcase", help="output folder (default out/showcase)")
     p.add_argument("--steps", type=int, default=20, help="DDIM steps (default 20)")
@@ -58,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", action="append", default=[],
                    help="replace the preset: e.g. merge:0.5, merge:0.5:matching=local, "
                         "downsample:2, merge:0.75:end=0.5 (repeatable)")
-    p.add_argument("--fp32", action="store_true", help="sample in fp32 (default bf16)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="compute dtype of sampling (auto: bf16 where the CPU has it natively, "
+                        "else fp32)")
+    p.add_argument("--fp32", action="store_true", help="= --dtype fp32")
     p.add_argument("--heldout", type=int, default=8,
                    help="held-out crops for the denoising loss (0: skip; default 8)")
     p.add_argument("--timesteps", default="100,300,500,700,900",
@@ -66,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=None, help="photo cache folder (default: the user cache)")
     p.add_argument("--weights", default=None, help="model file (default: the shipped one)")
     p.add_argument("--sd", action="store_true",
-                   help="also measure the output deviation on the SD1.5 UNet (tome.bench)")
+                   help="also measure the output deviation on the SD1.5 UNet (random weights)")
     p.add_argument("--sd-size", type=int, default=512)
     p.add_argument("--diff", type=float, default=25,
                    help="grid: also show |image - unmerged| times this (0: off; default 25)")
@@ -78,17 +108,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    specs = a.setting or (quality.FULL_SETTINGS if a.preset == "full"
-                          else quality.DEFAULT_SETTINGS)
+    specs = a.setting or (FULL_SETTINGS if a.preset == "full" else DEFAULT_SETTINGS)
     timesteps = _ints(a.timesteps)
     if a.quick:
         a.size, a.steps, specs = 32, 4, a.setting or QUICK_SETTINGS
         a.heldout, timesteps = min(a.heldout, 4), [100, 900]
         a.classes = a.classes or "0,1"
-    settings = quality.settings_from(specs)
+    try:
+        settings = parse_settings(specs)
+    except ValueError as e:
+        p.error(str(e))
+    dtype, why = pick_dtype("cpu", "fp32" if a.fp32 else a.dtype)
 
     from . import tinyldm
-    from .bench import machine
 
     path = Path(a.weights) if a.weights else tinyldm.DEFAULT_WEIGHTS
     if not path.is_file():
@@ -97,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     names = model.config["classes"]
     classes = _ints(a.classes) if a.classes else list(range(len(names)))
     seeds = _ints(a.seeds)
-    bf16 = not a.fp32
     trained = model.metadata.get("steps", "?")
 
     heldout, why = (None, "--heldout 0") if a.heldout <= 0 else _heldout(a.heldout, a.size,
@@ -106,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     n_img = len(images)
     print(f"tiny diffusion model ({tinyldm.num_params(model) / 1e6:.1f}M parameters, "
           f"{trained} training steps), {n_img} image(s) x {len(settings)} settings, "
-          f"{a.steps} DDIM steps, {a.size}x{a.size}, {'bf16' if bf16 else 'fp32'}, "
+          f"{a.steps} DDIM steps, {a.size}x{a.size}, {dtype}, "
           f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+    print(why, file=sys.stderr)
     if heldout is None:
         print(f"held-out loss skipped: {why}", file=sys.stderr)
 
@@ -118,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     rows = quality.evaluate(model, settings, images, steps=a.steps, size=a.size,
-                            bf16=bf16, heldout=heldout, timesteps=timesteps,
+                            dtype=dtype, heldout=heldout, timesteps=timesteps,
                             progress=progress)
     print(file=sys.stderr)
 
     if a.sd:
         progress(f"SD1.5 UNet at {a.sd_size} px: output deviation")
-        sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size)
+        sd_rows = quality.sd_deviation(settings, "sd15", a.sd_size, dtype)
         print(file=sys.stderr)
         for r, sd in zip(rows, sd_rows):
             r["sd_deviation"] = sd["deviation"]
@@ -132,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     labels = [f"{names[c]}, seed {s}" for c, s in images]
-    grid = quality.grid_image(rows, row_labels=labels, diff_gain=a.diff)
+    grid = report.grid_image(rows, row_labels=labels, diff_gain=a.diff)
     grid.save(out / "grid.png")
     what = (f"tiny diffusion model, {a.size}x{a.size}, {a.steps} DDIM steps, {n_img} image(s), "
-            f"{'bf16' if bf16 else 'fp32'}")
+            f"{dtype}")
     title = f"{what}, {torch.get_num_threads()} CPU thread(s)"
-    quality.plot(rows, str(out / "quality_vs_speed.png"), title=title)
+    report.quality_plot(rows, str(out / "quality_vs_speed.png"), title=title)
 
-    cmd = "python -m tome.showcase" + (" " + " ".join(argv if argv is not None
+    cmd = "python -m tome.lab.showcase" + (" " + " ".join(argv if argv is not None
                                                       else sys.argv[1:])).rstrip()
     clock = ("CPU seconds of the sampling thread, so other processes on a busy machine do "
              "not inflate it; on an idle machine it equals wall time" if rows[0]["clock"] == "cpu"
@@ -154,14 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                      "same noise for every setting.")
     if a.sd:
         notes.append(f"SD1.5 deviation: ||out - unmerged|| / ||unmerged|| of one call of the "
-                     f"SD1.5 UNet at {a.sd_size} px (random weights, bf16, t=500; "
-                     "`tome.bench`).")
-    text = [f"`{cmd.strip()}`: {what}; {machine()}.", "", quality.markdown_table(rows), "",
+                     f"SD1.5 UNet at {a.sd_size} px (random weights, {dtype}, t=500).")
+    text = [f"`{cmd.strip()}`: {what}; {machine()}; {why}.", "", report.quality_table(rows), "",
             *notes, "",
             "Each method at equal speed-up (interpolated between its settings, starting from "
             "the unmerged model at 1x" + (f"; loss: loss Δ at t={min(timesteps)}"
                                           if heldout is not None else "") + "):", "",
-            quality.equal_speed_table(rows, [float(x) for x in a.at.split(",")])]
+            report.equal_speed_table(rows, [float(x) for x in a.at.split(",")])]
     table = "\n".join(text)
     (out / "table.md").write_text(table + "\n")
     raw = [{k: v for k, v in r.items() if k != "images"} for r in rows]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tome
-from tome import quality, showcase, tinyldm
+from tome.lab import quality, report, showcase, tinyldm
+from tome.lab.variants import parse_settings
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +64,25 @@ def test_ssim_is_symmetric_and_matches_the_formula_on_flat_images():
     assert shifted > 0.95 > 0.2 > shuffled
 
 
-def test_settings_parse_and_map_to_benchmark_variants():
-    s = quality.settings_from(["merge:0.5:matching=local", "downsample:4", "merge:0.75:end=0.5"])
+def test_showcase_settings_parse_with_the_benchmark_syntax():
+    s = parse_settings(["merge:0.5:matching=local", "downsample:4", "merge:0.75:end=0.5"])
     assert [x.label for x in s] == ["unmerged", "merge local 0.5", "downsample x4",
                                     "merge 0.75 end=0.5"]
-    assert s[2].options == {"method": "downsample", "downsample_factor": 4}
-    assert [v.label for v in (x.variant() for x in s)] == [
-        "baseline", "merge 0.5 (matching=local)", "downsample x4", "merge 0.75 (end=0.5)"]
-    for x in quality.settings_from(quality.FULL_SETTINGS)[1:]:
-        tome.ToMeConfig(**x.options)  # every preset setting is valid
+    assert [x.group for x in s] == ["unmerged", "merge local", "downsample", "merge end=0.5"]
+    assert s[2].config == tome.ToMeConfig(method="downsample", downsample_factor=4)
+    full = parse_settings(showcase.FULL_SETTINGS)  # every preset setting is valid
+    assert len(full) == len(showcase.FULL_SETTINGS) and full[0].unmerged
 
 
 # ----------------------------------------------------------------------------- on the model
+
+
+def test_sampling_respects_the_dtype(model):
+    ref = tinyldm.sample(model, [1], seed=2, steps=2, size=32)
+    assert torch.equal(tinyldm.sample(model, [1], seed=2, steps=2, size=32, dtype="fp32"), ref)
+    low = tinyldm.sample(model, [1], seed=2, steps=2, size=32, dtype=torch.bfloat16)
+    assert low.dtype == torch.float32 and not torch.equal(low, ref)
+    assert (low - ref).abs().max() < 0.1  # bf16 compute, same image
 
 
 def test_ratio_zero_and_removal_reproduce_unmerged_images_bit_exactly(model):
@@ -93,8 +101,7 @@ def test_ratio_zero_and_removal_reproduce_unmerged_images_bit_exactly(model):
 
 
 def test_quality_worsens_with_the_ratio(model):
-    settings = quality.settings_from(["merge:0.25", "merge:0.75", "downsample:2",
-                                      "downsample:4"])
+    settings = parse_settings(["merge:0.25", "merge:0.75", "downsample:2", "downsample:4"])
     heldout = _heldout()
     # t=100: the last, detailed steps, where merging's effect on the loss is largest.
     rows = quality.evaluate(model, settings, [(0, 0), (1, 1)], steps=6, size=32,
@@ -109,13 +116,13 @@ def test_quality_worsens_with_the_ratio(model):
             assert 0 < by[high]["loss_increase"][100]
             assert by[low]["loss_increase"][100] < by[high]["loss_increase"][100]
     assert all(r["speedup"] > 0 for r in rows)
-    table = quality.markdown_table(rows)
+    table = report.quality_table(rows)
     assert table.count("\n") == len(rows) + 1 and "merge 0.75" in table
 
 
 def _heldout():
     """The held-out crops if the photos are already cached (no download from a test)."""
-    from tome.tinyldm import data
+    from tome.lab.tinyldm import data
 
     if not (data.default_cache_dir() / f"photos{data.SHORT_SIDE}.npz").is_file():
         return None  # only the image figures are checked
@@ -147,5 +154,5 @@ def test_equal_speed_interpolates_from_the_unmerged_point():
     assert pts["merge", 1.5]["ssim"] == pytest.approx(0.95)
     assert "mse" not in pts["merge", 2.5]  # never extrapolated
     assert pts["downsample", 2.5]["mse"] == pytest.approx(0.75e-4)
-    table = quality.equal_speed_table(rows, (1.5, 2.5))
+    table = report.equal_speed_table(rows, (1.5, 2.5))
     assert "| merge | 33.0 dB, SSIM 0.9500 | – (not that fast) |" in table

@@ -1,0 +1,369 @@
+"""The benchmark's plumbing on tiny real UNets: settings, device and dtype choice, the ceiling,
+the run loop, tables (the real measurements are in docs/benchmark.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tome.config import ToMeConfig
+from tome.lab import bench, device, models, report, run, timing, variants
+from tome.lab.matching import run_matching
+from tome.lab.variants import Setting
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_setting_parsing_labels_and_round_trip():
+    s = Setting.parse("merge:0.5:matching=local,max_downsample=2")
+    assert (s.method, s.impl, s.value) == ("merge", "tome", 0.5)
+    assert s.config == ToMeConfig(ratio=0.5, matching="local", max_downsample=2)
+    assert s.label == "merge local 0.5 max_downsample=2"
+    assert s.group == "merge local max_downsample=2"
+    d = Setting.parse("downsample:4")
+    assert d.config.method == "downsample" and d.config.downsample_factor == 4
+    assert d.label == "downsample x4" and d.reduction == pytest.approx(1 - 1 / 16)
+    assert Setting.parse("baseline") == Setting.parse("unmerged") == Setting()
+    assert Setting().label == "unmerged" and Setting().unmerged
+    t = Setting.parse("tomesd:0.5:max_downsample=2")
+    assert (t.impl, t.label) == ("tomesd", "tomesd 0.5 max_downsample=2")
+    # any ToMeConfig field works by name, including ones added later (share, policy)
+    p = Setting.parse("merge:0.5:share=block,policy=auto")
+    assert (p.config.share, p.config.policy) == ("block", "auto")
+    for spec in ("merge:0.5", "merge:0.75:end=0.5", "downsample:2:max_downsample=2", "ceiling",
+                 "ceiling:max_downsample=2", "match-only", "match-only:tomesd", "tomesd:0.3",
+                 "merge:0.5:use_rand=False,matching=local"):
+        s = Setting.parse(spec)
+        assert Setting.parse(s.spec) == s, spec
+    for bad in ("fast:0.5", "merge:0.9", "merge:0.5:nope=1", "tomesd:0.5:matching=local",
+                "ceiling:0.5", "match-only:theirs", "baseline:0.5", "merge:0.5:0.6"):
+        with pytest.raises(ValueError):
+            Setting.parse(bad)
+
+
+def test_ceiling_and_match_only_settings():
+    c = Setting.parse("ceiling")
+    assert (c.method, c.label, c.reduction, c.value) == ("ceiling", "ceiling", 1.0, 0.0)
+    assert Setting.parse("ceiling:max_downsample=2").config.max_downsample == 2
+    ours, theirs = Setting.parse("match-only"), Setting.parse("match-only:tomesd")
+    assert ours.config.ratio == theirs.config.ratio == variants.MATCH_ONLY_RATIO
+    assert (ours.impl, theirs.impl) == ("tome", "tomesd")
+    assert (ours.label, theirs.label) == ("match-only", "match-only tomesd")
+    names = [s.label for s in variants.default_settings(
+        ["ceiling", "tomesd", "merge", "merge-local", "downsample", "match-only"], [0.3, 0.5], [2])]
+    assert names == ["unmerged", "ceiling", "tomesd 0.3", "tomesd 0.5", "merge 0.3", "merge 0.5",
+                     "merge local 0.3", "merge local 0.5", "downsample x2", "match-only",
+                     "match-only tomesd"]
+    with pytest.raises(ValueError):
+        variants.default_settings(["fastest"])
+
+
+# ----------------------------------------------------------------------------- device, dtype
+
+
+def test_device_selection(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device, "mps_available", lambda: False)
+    assert device.pick_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA"):
+        device.pick_device("cuda")
+    with pytest.raises(ValueError, match="no MPS"):
+        device.pick_device("mps")
+    with pytest.raises(ValueError):
+        device.pick_device("tpu")
+    monkeypatch.setattr(device, "mps_available", lambda: True)
+    assert device.pick_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device.pick_device("auto") == torch.device("cuda")  # CUDA before MPS
+    assert device.pick_device("cpu") == torch.device("cpu")
+    assert device.pick_device("mps") == torch.device("mps")
+
+
+def _cpu(monkeypatch, arch="x86_64", amx=False, avx512_bf16=False, probe=None):
+    device.cpu_bf16.cache_clear()
+    monkeypatch.setattr(device.platform, "machine", lambda: arch)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16,
+                        raising=False)
+
+    def no_probe(*a, **k):
+        if probe is None:
+            raise AssertionError("the matmul probe ran although the CPU flags decide")
+        return probe
+
+    monkeypatch.setattr(device, "matmul_probe", no_probe)
+
+
+def test_dtype_choice(monkeypatch):
+    try:
+        for kind in ("cuda", "mps"):
+            assert device.pick_dtype(kind)[0] == "fp16"
+        assert device.pick_dtype("cuda", "bf16") == ("bf16", "dtype bf16: as requested")
+        with pytest.raises(ValueError):
+            device.pick_dtype("cpu", "int8")
+        _cpu(monkeypatch)  # AVX2 only: bf16 would be emulated
+        name, why = device.pick_dtype("cpu")
+        assert name == "fp32" and "emulated" in why and "\n" not in why
+        assert device.pick_dtype("cpu", "bf16")[0] == "bf16"  # an explicit dtype wins
+        _cpu(monkeypatch, amx=True)
+        assert device.pick_dtype("cpu") == ("bf16", "dtype bf16: CPU has AMX ("
+                                            f"{device.cpu_capability()})")
+        _cpu(monkeypatch, avx512_bf16=True)
+        assert "AVX512-BF16" in device.pick_dtype("cpu")[1]
+        # no x86 flags to go by (ARM): a timed matmul decides
+        _cpu(monkeypatch, arch="aarch64", probe=(1.0, 0.6))
+        assert device.pick_dtype("cpu")[0] == "bf16"
+        _cpu(monkeypatch, arch="aarch64", probe=(1.0, 12.0))
+        name, why = device.pick_dtype("cpu")
+        assert name == "fp32" and "12x as long" in why
+    finally:
+        device.cpu_bf16.cache_clear()
+
+
+def test_matmul_probe_and_machine_line():
+    t32, t16 = device.matmul_probe(n=32, repeats=1)
+    assert t32 > 0 and t16 > 0
+    line = device.machine("cpu")
+    assert "torch" in line and device.cpu_capability() in line
+
+
+def test_timer_and_memory_on_cpu():
+    timer = timing.Timer("cpu")
+    dt, out = timer(lambda: torch.ones(3).sum())
+    assert dt >= 0 and out.item() == 3
+    with pytest.raises(ValueError):
+        timing.Timer("cuda", clock="cpu")
+    mem: dict = {}
+    with timing.peak_memory(mem, "cpu"):
+        torch.zeros(1 << 20)
+    assert mem["peak"] >= 4 << 20
+    mps: dict = {}
+    with timing.peak_memory(mps, "mps"):  # no counter there: reported as unknown
+        pass
+    assert mps["peak"] is None
+
+
+def test_cli_rejects_a_missing_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--no-progress"])
+    assert "no CUDA" in capsys.readouterr().err
+
+
+def test_gpu_defaults_without_a_gpu(monkeypatch):
+    """On a GPU the benchmark runs SD1.5 and SDXL with every method, in fp16; checked by
+    recording the cases and settings instead of running them."""
+    seen = {}
+    monkeypatch.setattr(bench, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(bench, "machine", lambda dev: "GPU 0")
+    monkeypatch.setattr(bench, "device_name", lambda dev: "GPU 0")
+
+    def fake_case(name, size, dtype, batch, model=None, device=None):
+        return models.Case(name, size, dtype, batch, model=torch.nn.Identity(), device=device)
+
+    def fake_run(cases, settings, repeats, measure, progress, **kw):
+        seen.setdefault("cases", []).extend((c.model_name, c.size, c.dtype) for c in cases)
+        seen["settings"] = [s.label for s in settings]
+        seen["repeats"] = repeats
+        rows = [{"model": c.model_name, "size": c.size, "dtype": c.dtype, "batch": c.batch,
+                 "device": "cuda", "variant": s.label, "method": s.method, "impl": s.impl,
+                 "value": s.value, "options": dict(s.options), "times": [1.0], "median": 1.0,
+                 "min": 1.0, "max": 1.0, "flops": None, "peak": None, "patched": "",
+                 "deviation": 0.0, "reduction": s.reduction} for c in cases for s in settings]
+        run.derive(rows)
+        return rows
+
+    monkeypatch.setattr(bench, "build_case", fake_case)
+    monkeypatch.setattr(bench, "run_benchmark", fake_run)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert bench.main(["--sizes", "512,1024", "--no-progress"]) == 0
+    assert seen["cases"] == [("sd15", 512, "fp16"), ("sd15", 1024, "fp16"),
+                             ("sdxl", 512, "fp16"), ("sdxl", 1024, "fp16")]
+    assert seen["settings"] == ["unmerged", "ceiling", "tomesd 0.5", "merge 0.5",
+                                "merge local 0.5", "downsample x2", "match-only",
+                                "match-only tomesd"]
+    assert seen["repeats"] == 10
+
+
+# ----------------------------------------------------------------------------- on tiny UNets
+
+
+def test_sdpa_forward_matches_ldm_attention():
+    pytest.importorskip("ldm")
+    from ldm.modules.attention import CrossAttention
+    torch.manual_seed(0)
+    attn = CrossAttention(32, context_dim=16, heads=4, dim_head=8).eval()
+    x, ctx = torch.randn(2, 10, 32), torch.randn(2, 7, 16)
+    with torch.no_grad():
+        ref = attn(x, context=ctx)
+        with models.ldm_sdpa():
+            out = attn(x, context=ctx)
+        assert CrossAttention.forward is not models.sdpa_forward
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_case():
+    pytest.importorskip("ldm")
+    pytest.importorskip("tomesd")
+    from models import ldm_unet
+    return models.build_case("sd15", 128, "fp32", batch=2, model=ldm_unet(), context_dim=32)
+
+
+@pytest.mark.parametrize("family", ["ldm", "diffusers-sdxl"])
+def test_ceiling_removes_attention_at_merged_levels_and_restores_bit_exactly(family, tiny_case):
+    from models import diffusers_unet, ldm_inputs
+    if family == "ldm":
+        case = tiny_case
+        model, call = case.model, case.forward
+        expect = 5  # SD1.5 layout: 2 down + 3 up blocks at full resolution
+    else:
+        model = diffusers_unet("sdxl")
+        x, t, ctx = ldm_inputs(context_dim=32)
+
+        def call():
+            return model(x, t, encoder_hidden_states=ctx).sample
+        expect = (2 + 3) * 2  # SDXL layout: no attention at full resolution, depth 2 at ds2
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attns = [m for m in model.modules() if hasattr(m, "to_out")]
+    with torch.no_grad():
+        ref = call()
+        ceiling = Setting.parse("ceiling")
+        ceiling.apply(model)
+        try:
+            assert ceiling.patched_blocks(model).startswith(f"{expect}/")
+            changed = call()
+        finally:
+            ceiling.remove(model)
+        assert not torch.equal(changed, ref)
+        assert torch.equal(call(), ref)
+    assert all("forward" not in vars(a) for a in attns)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_run_benchmark_rows_table_and_plot(tiny_case, tmp_path):
+    settings = variants.parse_settings(["ceiling", "tomesd:0.5", "merge:0.5",
+                                        "merge:0.5:matching=local", "downsample:2",
+                                        "match-only", "match-only:tomesd"])
+    rows = run.run_benchmark([tiny_case], settings, repeats=2, progress=False)
+    assert [r["variant"] for r in rows] == [s.label for s in settings]
+    by = {r["variant"]: r for r in rows}
+    base = by["unmerged"]
+    assert base["deviation"] == 0 and base["speedup"] == pytest.approx(1.0)
+    for r in rows:
+        assert len(r["times"]) == 2 and r["min"] <= r["median"] <= r["max"]
+        assert r["flops"] > 0 and r["peak"] > 0 and r["device"] == "cpu"
+    for r in rows[1:]:
+        assert 0 < r["deviation"] and math.isfinite(r["vs_tomesd"])
+    # Merging removes attention work; the FLOP counter sees it, the ceiling most.
+    assert by["ceiling"]["flops"] < by["merge 0.5"]["flops"] < base["flops"]
+    assert by["downsample x2"]["flops"] < base["flops"]
+    assert by["merge 0.5"]["patched"] == by["tomesd 0.5"]["patched"] == "5/16"
+    assert by["ceiling"]["patched"] == "5/16"
+    # match-only merges 1%: close to the unmerged output; compared with tomesd's match-only
+    assert by["match-only"]["deviation"] < by["merge 0.5"]["deviation"]
+    mo = by["match-only"]
+    assert mo["vs_tomesd"] == pytest.approx(by["match-only tomesd"]["median"] / mo["median"])
+    text = report.markdown_table(rows)
+    assert "| unmerged |" in text and "| ceiling |" in text and "deviation" in text
+    summary = report.summary_table(rows)
+    assert "match-only ours / tomesd" in summary and "| sd15 | 128 | fp32 |" in summary
+    pytest.importorskip("matplotlib")
+    path = report.plot(rows, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000 and path.endswith("p.png")
+    out = tmp_path / "rows.json"
+    report.save_json(str(out), {"unet": rows})
+    again = report.load_rows(str(out))
+    assert [r["speedup"] for r in again] == pytest.approx([r["speedup"] for r in rows])
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t, context=None):
+        return self.lin(x)
+
+
+def _double(module, args):
+    return (args[0] * 2,)
+
+
+def _double_with_break(module, args):
+    torch._dynamo.graph_break()
+    return (args[0] * 2,)
+
+
+_CALLS = [0]
+
+
+def _drifting(module, args):
+    _CALLS[0] += 1  # a Python number that changes every call: its guard fails, dynamo recompiles
+    return (args[0] * (2 + _CALLS[0]),)
+
+
+class _Hooked:
+    """A Setting-like patch: a forward pre-hook on the toy's layer."""
+
+    method, impl, value, options, reduction, unmerged = "merge", "tome", 0.5, (), 0.5, False
+
+    def __init__(self, label, hook):
+        self.label = self.group = self.spec = label
+        self.hook = hook
+
+    def apply(self, model, seed=None):
+        self.handle = model.lin.register_forward_pre_hook(self.hook)
+
+    def remove(self, model):
+        self.handle.remove()
+
+    def patched_blocks(self, model):
+        return "1/1"
+
+
+def test_compile_reports_graphs_breaks_and_recompiles():
+    """Compiled runs (dynamo with its eager backend here, to stay fast): every patch state
+    gets its own graphs instead of silently reusing the unpatched one, and graph breaks and
+    recompilations are counted per setting."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    case = models.Case("sd15", 64, "fp32", 2, model=_Toy().eval(),
+                       inputs={"x": torch.randn(2, 8, generator=g), "t": torch.zeros(2),
+                               "ctx": None})
+    settings = [Setting(), _Hooked("double", _double), _Hooked("break", _double_with_break),
+                _Hooked("drift", _drifting)]
+    rows = run.run_benchmark([case], settings, repeats=3, measure=False, progress=False,
+                             compile=True, compile_backend="eager")
+    by = {r["variant"]: r for r in rows}
+    assert all(r["deviation"] > 0 for r in rows[1:])  # the hooks ran inside the compiled model
+    assert by["unmerged"]["compile"]["graphs"] >= 1
+    assert by["unmerged"]["compile"]["recompiles"] == 0
+    assert by["double"]["compile"]["breaks"] == 0 and by["break"]["compile"]["breaks"] >= 1
+    # a guard that fails on every call: a recompilation per call (5 calls: 2 warm-up, 3 timed)
+    assert by["drift"]["compile"]["recompiles"] >= 3 > by["double"]["compile"]["recompiles"]
+    text = report.markdown_table(rows)
+    assert "graphs / breaks / recompiles" in text and "graph break in break" in text
+
+
+def test_matching_suite_small():
+    pytest.importorskip("tomesd")
+    rows = run_matching(tokens=1024, channels=16, repeats=1, progress=False)
+    assert [r["impl"] for r in rows] == ["tomesd", "global", "local"]
+    assert all(r["peak"] > 0 and r["median"] > 0 for r in rows)
+    assert "| ours, local" in report.matching_table(rows)
+
+
+def test_cli_matching_and_shim(capsys):
+    pytest.importorskip("tomesd")
+    import tome.bench as shim
+    assert shim.main is bench.main
+    assert bench.main(["--suite", "matching", "--tokens", "256", "--channels", "8",
+                       "--no-progress", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "faster than tomesd" in out and "Device: " in out and "dtype " in out

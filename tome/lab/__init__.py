@@ -1,0 +1,18 @@
+"""The lab: measuring what token merging does, beside the library it measures.
+
+Nothing here is needed to use ``tome``; it needs the ``bench`` extras (ldm, diffusers, tomesd,
+matplotlib, pillow, safetensors). One module per job:
+
+- ``models``: SD1.5 / SD2 / SDXL UNets from their configs with random weights, their inputs,
+  ldm attention through SDPA (as the WebUI runs it)
+- ``device``: which device and dtype to run on, and why
+- ``variants``: ``Setting``, one way of running a UNet (ours, tomesd, ceiling, match-only),
+  parsed from a spec string and built on ``ToMeConfig``
+- ``timing``: time, peak memory and FLOPs of one call on CPU, CUDA or MPS; torch.compile counters
+- ``run``: the benchmark's interleaved run loop
+- ``matching``: the matching step alone, ours vs tomesd
+- ``quality``: image metrics and the quality evaluation on the tiny model
+- ``report``: tables, JSON, plots and the image grid
+- ``bench``, ``showcase``, ``demo``: the command lines
+- ``tinyldm``: the small trained diffusion model the quality figures use
+"""
