@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from webui_stub.harness import WebUI, sd_models, sd_unet, shared, tiny_model
+from webui_stub.harness import WebUI, errors, sd_models, sd_unet, shared, tiny_model
 
 import tome
 
@@ -271,3 +271,139 @@ def test_webui_before_1_10_patches_per_batch_and_before_hires(monkeypatch):
     webui.calls.clear()
     webui.generate("img2img", tome=on(ratio=0.4))
     assert passes(webui) == [(False, 0.4)]
+
+
+# ----------------------------------------------------------------------------- the auto policy
+
+def test_auto_policy_says_per_pass_what_it_chose_and_why(webui, capsys):
+    # CPU threshold: 1024 tokens. 128 px -> 16x16 latent (256 tokens); hires x2 -> 1024 tokens.
+    res = webui.generate(tome=on(ratio=0.5), enable_hr=True)
+    out = capsys.readouterr().out
+    first = "first pass 128x128 px: ds1 256 tokens, below the CPU threshold (1024); not merged"
+    hires = "hires pass 256x256 px: ds1 1024 tokens, at or above the CPU threshold (1024)"
+    assert out.count(f"ToMe auto: {first}\n") == 1 and out.count(f"ToMe auto: {hires}\n") == 1
+    assert f'ToMe auto: "{first} | {hires}"' in res.info and "ToMe policy: auto" in res.info
+    assert {c.config.policy for c in webui.calls} == {"auto"}
+
+    webui.calls.clear()
+    alone = webui.generate(tome=on(ratio=0.5))  # 128 px only: auto merges nothing at all
+    assert torch.equal(images(alone), images(webui.baseline()))
+
+
+def test_fixed_policy_writes_no_auto_note(webui, capsys):
+    res = webui.generate(tome=on(policy="fixed"))
+    assert "ToMe auto" not in res.info and "ToMe policy" not in res.info
+    assert "ToMe auto" not in capsys.readouterr().out
+
+
+def test_auto_note_for_img2img_and_before_webui_1_10(monkeypatch, capsys):
+    from webui_stub.harness import scripts
+
+    monkeypatch.delattr(scripts.Script, "process_before_every_sampling")
+    webui = WebUI()
+    res = webui.generate(tome=on(), enable_hr=True, width=256, height=128, hr_scale=1.5)
+    out = capsys.readouterr().out
+    assert "ToMe auto: first pass 256x128 px: ds1 512 tokens, below" in out
+    assert "ToMe auto: hires pass 384x192 px: ds1 1152 tokens, at or above" in out
+    assert "hires pass 384x192 px" in res.info
+    res = webui.generate("img2img", tome=on(), width=256, height=256)
+    assert "img2img 256x256 px: ds1 1024 tokens, at or above" in res.info
+
+
+def test_auto_decision_uses_the_device_the_pass_runs_on(webui, monkeypatch):
+    from tome.webui import runner
+
+    monkeypatch.setattr(runner, "compute_device", lambda model, x=None: torch.device("cuda"))
+    res = webui.generate(tome=on())
+    assert "ds1 256 tokens, below the CUDA threshold (16384); not merged" in res.info
+
+
+# ----------------------------------------------------------------------------- one pass
+
+def test_arguments_are_parsed_once_and_each_pass_derived_once(webui, monkeypatch):
+    from tome.webui import settings
+
+    counts = {"parse": 0, "passes": 0}
+    parse, derive = settings.parse_args, settings.ScriptSettings.passes
+
+    def counting_parse(*a, **k):
+        counts["parse"] += 1
+        return parse(*a, **k)
+
+    def counting_passes(self, **k):
+        counts["passes"] += 1
+        return derive(self, **k)
+    monkeypatch.setattr(settings, "parse_args", counting_parse)
+    monkeypatch.setattr(settings.ScriptSettings, "passes", counting_passes)
+    res = webui.generate(tome=on(ratio=0.3, hr_ratio=0.6), enable_hr=True, n_iter=2)
+    assert counts == {"parse": 1, "passes": 1}
+    assert passes(webui) == [(False, 0.3), (True, 0.6), (False, 0.3), (True, 0.6)]
+    assert "ToMe hr ratio: 0.6" in res.info
+
+    counts.update(parse=0, passes=0)
+    webui.xyz("txt2img", "[ToMe] Ratio", ["0.2", "0.4"])
+    assert counts == {"parse": 2, "passes": 2}  # one per cell
+
+
+# ----------------------------------------------------------------------------- other patches
+
+def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys, recwarn):
+    """The A1111 SAG extension replaces the middle block's attn1.forward on the instance to
+    record its attention map, which needs every token."""
+    from tome.patch import block_levels
+
+    unet = shared.sd_model.model.diffusion_model
+    middle = next(b for b, ds in block_levels(unet).items() if ds == 8)
+    seen = []
+    original = middle.attn1.forward
+
+    def record(x, *args, **kwargs):
+        seen.append(x.shape[1])
+        return original(x, *args, **kwargs)
+    middle.attn1.forward = record
+    res = webui.generate(tome=on(max_downsample="8", policy="fixed"))
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("ToMe")]
+    assert len(lines) == 1 and "1 block(s) skipped: attn1 forward replaced" in lines[0]
+    assert 'ToMe skipped: "1 block(s): attn1 forward replaced' in res.info
+    assert set(seen) == {4} and len(res.images) == 1  # 16x16 latent at ds8: all 2x2 tokens
+    assert "Traceback" not in out + err and not errors.reported
+    assert not [w for w in recwarn if "ToMe" in str(w.message)]
+
+
+def test_a_patch_that_fails_is_one_line_and_an_unmerged_image(webui, monkeypatch, capsys):
+    from tome.webui import runner
+
+    def broken(model, config):
+        raise RuntimeError("unexpected layout")
+    monkeypatch.setattr(runner, "apply_patch", broken)
+    res = webui.generate(tome=on())
+    assert torch.equal(images(res), images(webui.baseline()))
+    assert "ToMe skipped: \"patching failed (RuntimeError: unexpected layout)\"" in res.info
+    out, err = capsys.readouterr()
+    assert out.count("ToMe: skipped, the image is generated without merging: patching failed")\
+        == 1 and not errors.reported
+
+
+def test_forge_blocks_replaced_by_another_patch_are_reported_once(capsys):
+    from test_forge import Patcher
+    from webui_stub.harness import processing
+
+    from tome import forge
+
+    model = tiny_model()
+    model.forge_objects = type("ForgeObjects", (), {})()
+    model.forge_objects.unet = Patcher(model.model.diffusion_model)
+    webui = WebUI(model)
+
+    def sag_in_forge(p, m):  # what the Forge patch learns while the UNet runs
+        patch = getattr(m.forge_objects.unet, forge.MARK)
+        if not patch.skipped:
+            patch.skipped.append((("middle", 0, 0), "attn1 replaced by another patch (e.g. "
+                                                    "Self-Attention Guidance)"))
+    processing.unet_call_observers.append(sag_in_forge)
+    res = webui.generate(tome=on(ratio=0.4), enable_hr=True, steps=1)
+    out = capsys.readouterr().out
+    assert out.count("ToMe: 1 block(s) skipped: attn1 replaced by another patch") == 1
+    assert 'ToMe skipped: "1 block(s): attn1 replaced by another patch' in res.info
+    assert "ToMe auto: first pass 128x128 px: ds1 256 tokens, below the CPU threshold" in out

@@ -96,6 +96,7 @@ def test_xyz_cells_each_get_their_own_settings_and_infotext(webui):
     ("[ToMe] Method", ["merge", "downsample"], ("method",), [("merge",), ("downsample",)]),
     ("[ToMe] Matching", ["global", "local"], ("matching",), [("global",), ("local",)]),
     ("[ToMe] Start", ["0", "0.5"], ("start",), [(0.0,), (0.5,)]),
+    ("[ToMe] Plan sharing", ["block", "level"], ("share",), [("block",), ("level",)]),
 ])
 def test_xyz_axes(webui, label, values, field, expected):
     webui.xyz("txt2img", label, values)
@@ -120,8 +121,55 @@ def test_xyz_hires_axes(webui):
     ("[ToMe] Stride", ["2x2", "0x2"], "sx=0"),
     ("[ToMe] Stride", ["big"], "invalid stride 'big'"),
     ("[ToMe] Method", ["merge", "magic"], "method='magic'"),
+    ("[ToMe] Preset", ["Fast", "warp"], "preset=.warp."),
 ])
 def test_xyz_bad_values_fail_before_any_cell(webui, label, values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         webui.xyz("txt2img", label, values)
     assert not webui.calls
+
+
+def test_an_image_from_before_the_policy_pastes_as_fixed(webui):
+    old = "a cat\nSteps: 3, Seed: 1, Size: 128x128, ToMe ratio: 0.4, ToMe max downsample: 2"
+    pasted = webui.paste("txt2img", old)
+    named = dict(zip(settings.ARGS, pasted))
+    assert named["policy"] == "fixed" and named["preset"] == "Custom" and named["enabled"]
+    cfg = settings.parse_args(pasted).config
+    assert (cfg.ratio, cfg.max_downsample, cfg.policy) == (0.4, 2, "fixed")
+    # ... while a new image with the UI's defaults records its auto policy
+    res = webui.generate(tome=ui_args(ratio=0.4))
+    assert "ToMe policy: auto" in res.info
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", res.info)))["policy"] == "auto"
+
+
+def test_a_preset_is_restored_only_while_it_means_the_same_settings(webui):
+    res = webui.api("txt2img", {"alwayson_scripts": {"ToMe": {"args": [
+        {"enabled": True, "preset": "fast", "max_downsample": 1}]}}})
+    assert "ToMe preset: fast" in res["info"] and "ToMe max downsample: 1" in res["info"]
+    named = dict(zip(settings.ARGS, webui.paste("txt2img", res["info"])))
+    assert named["preset"] == "Custom" and named["max_downsample"] == "1"
+    assert named["method"] == "downsample" and named["downsample_factor"] == 4
+    line = "x\nSteps: 3, ToMe preset: fast, ToMe method: downsample, ToMe downsample factor: " \
+           "4, ToMe max downsample: 2, ToMe policy: auto"
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", line)))["preset"] == "Fast"
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", "x\nSteps: 3, ToMe preset: warp, "
+                                               "ToMe ratio: 0.3")))["preset"] == "Custom"
+
+
+def test_xyz_preset_and_policy_axes(webui):
+    from tome.config import preset
+
+    webui.xyz("txt2img", "[ToMe] Preset", ["Quality", "Fast", "Custom"], tome=ui_args(ratio=0.3))
+    got = []
+    for c in webui.calls:
+        if c.config.replace(seed=0) not in got:
+            got.append(c.config.replace(seed=0))
+    assert got == [preset("quality"), preset("fast"), settings.DEFAULT.replace(ratio=0.3)]
+
+    webui.calls.clear()
+    webui.xyz("txt2img", "[ToMe] Policy", ["fixed", "auto"])
+    assert [c.config.policy for c in webui.calls][::3] == ["fixed", "auto"]
+
+    webui.calls.clear()  # an axis value is explicit: it overrides the UI's preset
+    webui.xyz("txt2img", "[ToMe] Ratio", ["0.2"], tome=ui_args(preset="Balanced", ratio=0.7))
+    assert {c.config.replace(seed=0) for c in webui.calls} == {preset("balanced", ratio=0.2)}
