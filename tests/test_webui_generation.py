@@ -407,3 +407,11 @@ def test_forge_blocks_replaced_by_another_patch_are_reported_once(capsys):
     assert out.count("ToMe: 1 block(s) skipped: attn1 replaced by another patch") == 1
     assert 'ToMe skipped: "1 block(s): attn1 replaced by another patch' in res.info
     assert "ToMe auto: first pass 128x128 px: ds1 256 tokens, below the CPU threshold" in out
+
+
+def test_library_warnings_become_one_console_line(capsys, recwarn):
+    webui = WebUI(tiny_model("sdxl"))
+    webui.generate(tome=on(max_downsample="1"), n_iter=2)
+    out = capsys.readouterr().out
+    assert out.count("ToMe: max_downsample=1 merges nothing on this model") == 1
+    assert not [w for w in recwarn if "ToMe" in str(w.message)]

@@ -81,8 +81,6 @@ class ScriptSettings:
 class SettingsError(ValueError):
     """An invalid setting: a ``ValueError`` whose message names the setting and its range."""
 
-    status_code = 422
-
 
 def invalid(error: ValueError) -> ValueError:
     """``error`` as an error the WebUI's API answers with HTTP 422 and no traceback.
