@@ -138,7 +138,9 @@ def test_showcase_quick_writes_grid_plot_and_table(model, tmp_path, capsys):
     with Image.open(tmp_path / "grid.png") as im:
         assert im.width > 3 * 96 and im.height > 2 * 96  # 3 settings x 2 images, upscaled
     assert (tmp_path / "quality_vs_speed.png").stat().st_size > 10_000
-    assert "downsample x2" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert "downsample x2" in table
+    assert "; dtype fp32: " in table or "; dtype bf16: " in table  # the choice and its reason
 
 
 def test_equal_speed_interpolates_from_the_unmerged_point():

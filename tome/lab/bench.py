@@ -1,6 +1,6 @@
 """Benchmark: real UNets from config (random weights), unmerged vs tomesd vs our methods.
 
-    python -m tome.bench --quick                       # < 2 min on one CPU thread
+    python -m tome.bench --quick                       # a few minutes on one CPU thread
     python -m tome.bench --device cuda --sizes 512,1024,2048       # SD1.5 and SDXL on a GPU
     python -m tome.bench --model sd15 --sizes 1024 --dtype bf16 --ratios 0.5 --factors 2,4
     python -m tome.bench --device cuda --compile --sizes 1024
@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=320, help="matching suite: channels")
     p.add_argument("--matching-dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument("--quick", action="store_true",
-                   help="SD1.5 at 256 px and matching at 4096 tokens: under 2 minutes on a CPU")
+                   help="SD1.5 at 256 px and matching at 4096 tokens: a few minutes on one CPU "
+                        "thread")
     p.add_argument("--plot", default=None, help="write the PNG plot here")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--markdown", default=None, help="also write the tables here")
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(str(e))
         rows: list[dict[str, Any]] = []
         for name in models:
-            model = None
+            model = case = None
             for size in _ints(a.sizes):
                 t0 = time.perf_counter()
                 case = build_case(name, size, dtype, a.batch, model=model, device=device)

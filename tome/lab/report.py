@@ -76,10 +76,14 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
                              f"{c.get('recompiles', '–')}")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    methods = {r["method"] for r in rows}
     out.append("Speed-up: unmerged median / median. Peak memory: CUDA max_memory_allocated, or "
                "live tensor bytes allocated during the forward (PyTorch profiler) on the CPU. "
-               "Deviation: ||out - unmerged|| / ||unmerged||. Ceiling: self-attention removed "
-               "at the merged levels. Match-only: merging at ratio 0.01 (the matching's cost).")
+               "Deviation: ||out - unmerged|| / ||unmerged||."
+               + (" Ceiling: self-attention removed at the merged levels (the most any token "
+                  "reduction there can gain)." if "ceiling" in methods else "")
+               + (" Match-only: merging at ratio 0.01, i.e. what the matching alone costs."
+                  if "match-only" in methods else ""))
     if compiled:
         out.append(compile_notes(rows))
     return "\n".join(out)

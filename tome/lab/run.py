@@ -69,8 +69,8 @@ def run_benchmark(cases: Iterable[Case], settings: Sequence[Setting], repeats: i
     the derived numbers (speed-up vs the baseline and vs tomesd)."""
     timing.quiet_profiler()
     cases = list(cases)
-    rounds = [(warmup if warmup is not None else default_warmup(c.device, compile)) + repeats
-              for c in cases]
+    rounds = [max(warmup if warmup is not None else default_warmup(c.device, compile),
+                  2 if compile else 1) + repeats for c in cases]
     bar = Progress(sum(r * len(settings) for r in rounds), progress)
     rows: list[dict[str, Any]] = []
     config = timing.compile_config() if compile else contextlib.nullcontext()
@@ -91,7 +91,6 @@ def _run_case(case: Case, settings: Sequence[Setting], warmup: int, repeats: int
               measure: bool, bar: Progress, compile: bool, backend: str
               ) -> list[dict[str, Any]]:
     n = len(settings)
-    warmup = max(warmup, 2 if compile else 1)
     timer = timing.Timer(case.device)
     times: list[list[float]] = [[] for _ in range(n)]
     outputs: list[torch.Tensor | None] = [None] * n
