@@ -53,7 +53,7 @@ def inputs():
 def test_matches_tomesd_ldm(sd15, inputs, ratio, subs):
     wrapped = Wrapper(sd15)
     base = run(sd15, *inputs)
-    tome.apply_patch(wrapped, ratio=ratio, use_rand=False, **subs)
+    tome.apply_patch(wrapped, ratio=ratio, use_rand=False, share="block", **subs)
     ours = run(sd15, *inputs)
     tome.remove_patch(wrapped)
     tomesd.apply_patch(wrapped, ratio=ratio, use_rand=False, **subs)
@@ -68,7 +68,7 @@ def test_matches_tomesd_diffusers(kind, max_ds):
     unet = diffusers_unet(kind)
     x, t, c = ldm_inputs(2, 32, 32)
     base = run(unet, x, t, c)
-    tome.apply_patch(unet, ratio=0.5, use_rand=False, max_downsample=max_ds)
+    tome.apply_patch(unet, ratio=0.5, use_rand=False, max_downsample=max_ds, share="block")
     ours = run(unet, x, t, c)
     tome.remove_patch(unet)
     tomesd.apply_patch(unet, ratio=0.5, use_rand=False, max_downsample=max_ds)
@@ -82,7 +82,7 @@ def test_matches_tomesd_full_sd15_shape():
     """The real SD1.5 UNet (860M parameters, 16 blocks) at a 16x16 latent."""
     unet = ldm_unet(SD15)
     x, t, c = ldm_inputs(2, 16, 16, context_dim=768)
-    tome.apply_patch(unet, ratio=0.5, use_rand=False)
+    tome.apply_patch(unet, ratio=0.5, use_rand=False, share="block")
     report = tome.patch_report(unet)
     assert (report.total_blocks, report.levels) == (16, {1: 5})
     ours = run(unet, x, t, c)

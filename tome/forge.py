@@ -18,58 +18,70 @@ from typing import Any
 
 import torch
 
-from . import merge
 from .config import ToMeConfig
-from .patch import block_levels, grid_of, seeded_partition
+from .patch import block_levels
+from .plan import DownsamplePlan, Planner, Step, auto_max_downsample
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
 
 
 class ForgePatch:
-    """The two patch functions for one sampling pass, sharing the plan of the current block."""
+    """The two patch functions for one sampling pass, sharing the plan of the current block.
+
+    Forge has no hook at the start of a UNet call, so a call starts when the first block seen
+    in this pass comes round again. The step's sigma stands in for the timestep (it stays on
+    the device: the partition is hashed from it there).
+    """
 
     def __init__(self, config: ToMeConfig, max_downsample: int):
         self.config, self.max_downsample = config, max_downsample
-        self.plan: Any = None  # the plan of the block between attn1 patch and output patch
-        self.partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.tokens: dict[int, tuple[int, int]] = {}
+        self.planner = Planner(config, max_downsample)
+        self.tokens = self.planner.tokens
+        self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
+        self.plan: Any = None  # the merge plan of the block between attn1 and its output
+        self.first: Any = None
+        self.step: Step | None = None
 
-    def _partition(self, h: int, w: int, extra: dict, device: torch.device):
-        """Seeded like the hook-based patch, by the step's sigma in place of the timestep."""
-        c = self.config
-        sigmas = extra.get("sigmas")
-        t = round(float(sigmas.reshape(-1)[0]) * 1000) \
-            if c.use_rand and isinstance(sigmas, torch.Tensor) else -1
-        key = (t, h, w, str(device))
-        if key not in self.partitions:
-            if len(self.partitions) > 64:  # one entry per step and level is all that is reused
-                self.partitions.clear()
-            self.partitions[key] = seeded_partition(c, t, 0, h, w, device)
-        return self.partitions[key]
+    def _begin(self, block: Any, n: torch.Tensor, extra: dict) -> None:
+        if self.first is None:
+            self.first = block
+        if block == self.first or self.step is None:
+            size = tuple(extra["original_shape"][-2:])
+            self.step = self.planner.step(size, n.device, extra.get("sigmas"))
+
+    def _replaced(self, block: Any, extra: dict) -> bool:
+        """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
+        block's attention map this way): it must see every token, so leave the block alone."""
+        replace = (extra.get("patches_replace") or {}).get("attn1") or {}
+        if block not in replace:
+            return False
+        if not any(b == block for b, _ in self.skipped):
+            self.skipped.append((block, "attn1 replaced by another patch (e.g. Self-Attention "
+                                        "Guidance)"))
+        return True
 
     def attn1(self, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict):
-        c, self.plan = self.config, None
-        shape = extra.get("original_shape")
-        grid = None if shape is None or n.dim() != 3 else \
-            grid_of(n.shape[1], tuple(shape[-2:]), self.max_downsample)
-        if grid is None:
+        self.plan = None
+        if extra.get("original_shape") is None or n.dim() != 3:
             return n, k, v
-        ds, h, w = grid
+        block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
+        self._begin(block, n, extra)
+        if self.step is None or self._replaced(block, extra):
+            return n, k, v
         self_attention = k is n and v is n
-        if c.method == "downsample":
-            if not self_attention:
-                return n, k, v
-            kv = merge.downsample_tokens(n, h, w, c.downsample_factor)
-            self.tokens[ds] = (n.shape[1], n.shape[1] - kv.shape[1])
-            return n, kv, kv
-        r = int(n.shape[1] * c.ratio)
-        if r <= 0 or not c.merge_attn:
+        c = self.config
+        if c.method == "downsample" and not self_attention:
             return n, k, v
-        src_idx, dst_idx = self._partition(h, w, extra, n.device)
-        self.plan = merge.Plan(n, src_idx, dst_idx, r,
-                               merge.matcher(c.matching, h, w, c.sx, c.sy))
-        self.tokens[ds] = (n.shape[1], self.plan.r)
-        merged = self.plan.merge(n)
+        if c.method == "merge" and not c.merge_attn:
+            return n, k, v
+        plan = self.planner.plan(self.step, n)
+        if plan is None:
+            return n, k, v
+        if isinstance(plan, DownsamplePlan):
+            kv = plan.kv(n)
+            return n, kv, kv
+        self.plan = plan
+        merged = plan.merge(n)
         # Self-attention: keys and values are ``n`` too, so they merge the same way. A
         # cross-attention attn1 (disable_self_attn) keeps its context: only queries merge.
         return (merged, merged, merged) if self_attention else (merged, k, v)
@@ -92,8 +104,7 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig) -> tuple[Any, ForgePatch |
     diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
     known = sorted({d for d in block_levels(diffusion_model).values() if d > 0}) \
         if diffusion_model is not None else []
-    max_ds = config.max_downsample or (known[0] if known else 1)
-    patch = ForgePatch(config, max_ds)
+    patch = ForgePatch(config, auto_max_downsample(config, known))
     unet = unet_patcher.clone()
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)

@@ -12,9 +12,11 @@ Differences from tomesd's ``merge.py`` that do not change its results:
 - global matching never holds the whole ``(N - N/4) x N/4`` score matrix: sources are scored
   in chunks bounded by bytes (``CHUNK_BYTES``), and only the chunk is normalised, so memory
   stays flat at any image size;
-- merge is one row gather plus one ``index_add_`` (no ``scatter_reduce``, no concatenation);
-  unmerge is one row gather through a precomputed inverse index instead of three scatters;
-- the partition is built once per grid and reused by every block at that level.
+- merge is deterministic on every device (no ``scatter_reduce``, no atomics): a row gather plus
+  a fixed-point sorted segment sum; unmerge is one row gather through an inverse index;
+- a plan can be built once per UNet level and call and reused by every block at that level;
+- random destinations can come from a counter-based hash of ``(seed, timestep, cell)``
+  computed on the device (``hashed_cells``), so nothing is read back to the host.
 
 ``local_match`` is the fast variant: a source only looks at the destinations of the 3 x 3
 cells around its own, which is ``9`` dot products per source instead of ``N / (sx*sy)``.
@@ -30,8 +32,10 @@ import torch.nn.functional as F
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
-# Byte budget of one chunk of scores (global) or of candidate features (local), whole batch.
+# Byte budget of one chunk of scores (global) or of candidate features (local), whole batch:
+# cache-sized on CPUs; on accelerators large enough that up to ~1536 px takes one chunk.
 CHUNK_BYTES = 32 << 20
+DEVICE_CHUNK_BYTES = 1 << 30
 _OFFSETS = [(di, dj) for di in (-1, 0, 1) for dj in (-1, 0, 1)]
 
 
@@ -40,33 +44,65 @@ def do_nothing(x: torch.Tensor, mode: str | None = None) -> torch.Tensor:
 
 
 def random_cells(h: int, w: int, sx: int, sy: int, generator: torch.Generator) -> torch.Tensor:
-    """One random destination per ``sy x sx`` cell: a ``(h // sy, w // sx)`` tensor in
-    [0, sx*sy)."""
+    """One random destination per ``sy x sx`` cell from a ``torch.Generator`` (tomesd's way):
+    a ``(h // sy, w // sx)`` tensor in [0, sx*sy)."""
     return torch.randint(sx * sy, (h // sy, w // sx), generator=generator,
                          device=generator.device)
 
 
-def partition(h: int, w: int, sx: int, sy: int, cells: torch.Tensor | None = None,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Split the raster-ordered tokens of an ``h x w`` grid into ``(src_idx, dst_idx)``.
+_M32 = 0xFFFFFFFF
 
-    ``cells`` gives the chosen position inside each cell (row-major, from ``random_cells``);
-    None picks the top-left token. Rows and columns left over when the stride does not divide
-    the grid are always sources, as in tomesd. Both index lists come in exactly tomesd's
-    order (its argsort of a -1/0 buffer is not stable), so ties between equal scores, which
-    are common in bf16, are broken as tomesd breaks them.
+
+def _hash32(z: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer hash (lowbias32's shape, with multipliers below 2**31 so int64 tensor
+    arithmetic never overflows): the same bits on CPU, CUDA and MPS, for tensors and ints."""
+    z = z & _M32
+    z = ((z ^ (z >> 16)) * 0x7FEB352D) & _M32
+    z = ((z ^ (z >> 15)) * 0x2C1B3C6D) & _M32
+    return z ^ (z >> 16)
+
+
+def hashed_cells(h: int, w: int, sx: int, sy: int, key: int,
+                 timestep: torch.Tensor | float | None, device: torch.device | str
+                 ) -> torch.Tensor:
+    """One pseudo-random destination per ``sy x sx`` cell, a pure function of
+    ``(key, timestep, cell)`` computed where the tokens live.
+
+    ``timestep`` may be a device tensor (its first value is used): it is never read on the
+    host, so there is no device sync and a compiled graph does not depend on its value.
+    Counter-based, like Philox: no generator state, identical on every device.
     """
     hsy, wsx = h // sy, w // sx
+    seed = _hash32(key)
+    if isinstance(timestep, torch.Tensor):
+        t = (timestep.reshape(-1)[:1].to(device=device, dtype=torch.float32) * 1000).round()
+        seed = (t.to(torch.int64) * 0x2C1B3C6D + seed) & _M32
+    elif timestep is not None:
+        seed = (round(float(timestep) * 1000) * 0x2C1B3C6D + seed) & _M32
+    cell = torch.arange(hsy * wsx, device=device, dtype=torch.int64)
+    return (_hash32(cell + seed) % (sx * sy)).view(hsy, wsx)
+
+
+def partition(h: int, w: int, sx: int, sy: int, cells: torch.Tensor | None = None,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the raster-ordered tokens of an ``h x w`` grid into ``(src_idx, dst_idx)``.
+
+    ``cells`` gives the chosen position inside each cell (row-major, from ``random_cells`` or
+    ``hashed_cells``); None picks the top-left token. Rows and columns left over when the
+    stride does not divide the grid are always sources, as in tomesd. Both index lists come in
+    exactly tomesd's order (its argsort of a -1/0 buffer is not stable), so ties between equal
+    scores, which are common in bf16, are broken as tomesd breaks them.
+    """
+    hsy, wsx = h // sy, w // sx
+    device = device if device is not None else (cells.device if cells is not None else "cpu")
     if cells is None:
-        cells = torch.zeros(hsy, wsx, dtype=torch.long)
+        cells = torch.zeros(hsy, wsx, dtype=torch.long, device=device)
     cells = cells.to(device=device, dtype=torch.long)
     view = torch.zeros(hsy, wsx, sy * sx, dtype=torch.long, device=device)
     view.scatter_(2, cells[..., None], -1)
     view = view.view(hsy, wsx, sy, sx).transpose(1, 2).reshape(hsy * sy, wsx * sx)
     if hsy * sy < h or wsx * sx < w:
-        buf = torch.zeros(h, w, dtype=torch.long, device=device)
-        buf[:hsy * sy, :wsx * sx] = view
-        view = buf
+        view = F.pad(view, (0, w - wsx * sx, 0, h - hsy * sy))
     order = view.reshape(1, -1, 1).argsort(dim=1)[0, :, 0]
     num_dst = hsy * wsx
     return order[num_dst:], order[:num_dst]
@@ -77,9 +113,13 @@ def cell_of(idx: torch.Tensor, w: int, sx: int, sy: int, hsy: int, wsx: int) -> 
     return (idx // w // sy).clamp(max=hsy - 1) * wsx + (idx % w // sx).clamp(max=wsx - 1)
 
 
-def _chunk_rows(cols: int, batch: int, itemsize: int) -> int:
-    """Rows per chunk so that ``rows x cols`` values for the whole batch fit ``CHUNK_BYTES``."""
-    return max(1, CHUNK_BYTES // max(1, cols * batch * itemsize))
+def _budget(device: torch.device) -> int:
+    return CHUNK_BYTES if device.type == "cpu" else max(CHUNK_BYTES, DEVICE_CHUNK_BYTES)
+
+
+def _chunk_rows(cols: int, batch: int, itemsize: int, device: torch.device) -> int:
+    """Rows per chunk so that ``rows x cols`` values for the whole batch fit the budget."""
+    return max(1, _budget(device) // max(1, cols * batch * itemsize))
 
 
 def global_match(metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
@@ -94,7 +134,7 @@ def global_match(metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Ten
     b = metric[:, dst_idx]
     b.div_(b.norm(dim=-1, keepdim=True))  # in place: the gather is already a copy
     bt = b.transpose(-1, -2)
-    chunk = _chunk_rows(b.shape[1] + C, B, max(metric.element_size(), 4))
+    chunk = _chunk_rows(b.shape[1] + C, B, max(metric.element_size(), 4), metric.device)
     maxes, idxs = [], []
     for part in src_idx.split(chunk):
         a = metric[:, part]
@@ -141,7 +181,7 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     x = metric.view(B, h, w, C)
     hm, wm = hsy * sy, wsx * sx
     itemsize = max(metric.element_size(), 2)
-    rows = max(1, CHUNK_BYTES // max(1, B * wsx * (S + 9) * C * itemsize))
+    rows = max(1, _budget(dev) // max(1, B * wsx * (S + 9) * C * itemsize))
     for i0 in range(0, hsy, rows):
         i1 = min(hsy, i0 + rows)
         n = i1 - i0
@@ -158,9 +198,7 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
         arg[:, i0 * sy:i1 * sy, :wm] = k.view(B, n, wsx, sy, sx).permute(0, 1, 3, 2, 4) \
             .reshape(B, n * sy, wm)
     if hm < h or wm < w:  # leftover rows / columns: the nearest cell's neighbourhood
-        ys = torch.arange(h, device=dev)
-        xs = torch.arange(w, device=dev)
-        left = ((ys[:, None] >= hm) | (xs[None, :] >= wm)).reshape(-1).nonzero().squeeze(1)
+        left = _leftovers(h, w, hm, wm, dev)
         cell = cell_of(left, w, sx, sy, hsy, wsx)
         ci, cj = cell // wsx, cell % wsx
         nb = torch.stack([grid[:, ci + 1 + di, cj + 1 + dj] for di, dj in _OFFSETS], dim=-1)
@@ -173,83 +211,107 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     # Cell of each source, then of the chosen neighbour, as an index into dst_idx.
     cell = cell_of(src_idx, w, sx, sy, hsy, wsx)
     ci, cj = cell // wsx, cell % wsx
-    di = torch.tensor([o[0] for o in _OFFSETS], device=dev)[k]
-    dj = torch.tensor([o[1] for o in _OFFSETS], device=dev)[k]
+    di, dj = k // 3 - 1, k % 3 - 1  # _OFFSETS is row-major over (-1, 0, 1)^2
     node_idx = by_cell[(ci + di) * wsx + (cj + dj)]
     norms = torch.cat([metric[:, p].float().norm(dim=-1)  # chunked: no fp32 copy of all
-                       for p in src_idx.split(_chunk_rows(C, B, 4))], dim=1)
+                       for p in src_idx.split(_chunk_rows(C, B, 4, dev))], dim=1)
     node_max = (best / norms).to(metric.dtype)
     return node_max, node_idx
+
+
+# Fixed-point scale of the merge sum: values are summed as int64 multiples of 2**-24, which is
+# exact and independent of the summation order (bit-identical on every device and run), for
+# |x| up to 2**39 / r: far beyond any activation a UNet produces.
+SCALE = float(1 << 24)
+
+
+def _leftovers(h: int, w: int, hm: int, wm: int, device: torch.device) -> torch.Tensor:
+    """Raster ids of the tokens outside the ``hm x wm`` stride-aligned corner, in raster order,
+    built from shapes alone (no ``nonzero``: a fixed size, so compiled graphs do not break)."""
+    right = (torch.arange(hm, device=device)[:, None] * w
+             + torch.arange(wm, w, device=device)[None, :]).reshape(-1)
+    below = torch.arange(hm * w, h * w, device=device)
+    return torch.cat([right, below])
 
 
 class Plan:
     """A merge/unmerge pair for one block input: which sources merge into which destinations.
 
-    The index tensors are computed once per block call and serve every merged sub-layer.
-    ``merge`` is one row gather (``[kept | dst]``), one gather of the merged sources and one
-    ``index_add_``, then a scale of the destinations by ``1 / count``; ``unmerge`` is one row
-    gather. Indices are flattened over the batch so every copy is a contiguous row copy.
+    Built once (per block, or per UNet level and call when blocks share it) and applied to
+    every merged sub-layer. Deterministic on every device, with no atomic accumulation:
+
+    - ``merge`` gathers ``[kept | dst]`` in one row gather, then adds the merged sources as a
+      sorted segment sum: the sources are gathered in destination order, summed with an int64
+      prefix sum in fixed point (integer addition is associative, so the result does not depend
+      on how a GPU schedules the scan), and each destination takes the difference of the prefix
+      sum at its segment's two ends; a fused multiply-add then forms the mean.
+    - ``unmerge`` is one row gather through the inverse index.
+
+    Indices are flattened over the batch so every copy is a contiguous row copy.
     """
 
     def __init__(self, metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                  r: int, match: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
         B, N, _ = metric.shape
         dev = metric.device
-        src_idx = src_idx.to(dev)
-        dst_idx = dst_idx.to(dev)
         num_dst = dst_idx.numel()
-        r = min(r, src_idx.numel())
+        r = max(0, min(r, src_idx.numel()))
         with torch.no_grad():
-            if match is None:
-                node_max, node_idx = global_match(metric, src_idx, dst_idx)
-            else:
-                node_max, node_idx = match(metric, src_idx, dst_idx)
+            node_max, node_idx = (match or global_match)(metric, src_idx, dst_idx)
             order = node_max.argsort(dim=-1, descending=True)
             merged, kept = order[:, :r], order[:, r:]
-            self.dst_of_merged = node_idx.gather(1, merged)              # [B, r] in 0..num_dst
-            self.merged_idx = src_idx[merged]                            # [B, r] token ids
-            self.kept_idx = src_idx[kept]                                # [B, n_kept] token ids
-            self.dst_idx = dst_idx                                       # [num_dst] token ids
-            n_kept = self.kept_idx.shape[1]
+            dst_of_merged = node_idx.gather(1, merged)                   # [B, r] in 0..num_dst
+            merged_idx = src_idx[merged]                                 # [B, r] token ids
+            kept_idx = src_idx[kept]                                     # [B, n_kept] token ids
+            n_kept = kept_idx.shape[1]
             M = n_kept + num_dst
             base = torch.arange(B, device=dev)[:, None]
             # Rows of x (flattened over the batch) that make the merged sequence [kept | dst].
-            self.gather_rows = torch.cat([self.kept_idx, dst_idx.expand(B, num_dst)], 1) \
+            self.gather_rows = torch.cat([kept_idx, dst_idx.expand(B, num_dst)], 1) \
                 .add_(base * N).reshape(-1)
-            self.src_rows = self.merged_idx.add(base * N).reshape(-1)
-            self.add_rows = self.dst_of_merged.add(base * M + n_kept).reshape(-1)
-            count = torch.ones(B * M, device=dev).index_add_(
-                0, self.add_rows, torch.ones(B * r, device=dev))
-            self.count = count.view(B, M, 1)[:, n_kept:]
+            # Merged sources in destination order; destination d's sources are the rows
+            # [starts[d], ends[d]) of that list (offset by one for the zero row of the sum).
+            by_dst = dst_of_merged.argsort(dim=1, stable=True)
+            sorted_dst = dst_of_merged.gather(1, by_dst)
+            self.src_rows = merged_idx.gather(1, by_dst).add_(base * N).reshape(-1)
+            d = torch.arange(num_dst, device=dev).expand(B, num_dst).contiguous()
+            ends = torch.searchsorted(sorted_dst, d, right=True)
+            starts = torch.searchsorted(sorted_dst, d)
+            self.ends = ends.add(base * r).reshape(-1)
+            self.starts = starts.add(base * r).reshape(-1)
+            count = (ends - starts + 1).to(torch.float32)[..., None]    # [B, num_dst, 1]
+            self.inv_count = count.reciprocal()
+            self.weight = self.inv_count / SCALE
             # Position of every original token in the merged sequence [kept | dst].
             inverse = torch.empty(B, N, dtype=torch.long, device=dev)
-            inverse.scatter_(1, self.kept_idx, torch.arange(n_kept, device=dev).expand(B, n_kept))
+            inverse.scatter_(1, kept_idx, torch.arange(n_kept, device=dev).expand(B, n_kept))
             inverse[:, dst_idx] = torch.arange(n_kept, M, device=dev)
-            inverse.scatter_(1, self.merged_idx, self.dst_of_merged + n_kept)
+            inverse.scatter_(1, merged_idx, dst_of_merged + n_kept)
             self.inverse_rows = inverse.add_(base * M).reshape(-1)
-        self.r, self.num_tokens, self.n_kept, self.size = r, N, n_kept, M
+        self.r, self.num_tokens, self.n_kept, self.size, self.batch = r, N, n_kept, M, B
 
     def merge(self, x: torch.Tensor, mode: str = "mean") -> torch.Tensor:
+        """``[B, N, C] -> [B, N - r, C]``: kept sources, then destinations averaged with the
+        sources merged into them (``mode="sum"``: summed)."""
         B, N, C = x.shape
-        if mode not in ("mean", "sum"):  # other reductions: the general path
-            return self._merge_reduce(x, mode)
         flat = x.reshape(B * N, C)
-        out = flat.index_select(0, self.gather_rows)
-        out.index_add_(0, self.add_rows, flat.index_select(0, self.src_rows))
-        out = out.view(B, self.size, C)
+        out = flat.index_select(0, self.gather_rows).view(B, self.size, C)
+        if self.r == 0:
+            return out
+        fixed = flat.index_select(0, self.src_rows).to(torch.float32).mul_(SCALE).to(torch.int64)
+        total = F.pad(fixed, (0, 0, 1, 0)).cumsum_(0)
+        sums = total.index_select(0, self.ends) - total.index_select(0, self.starts)
+        dst = out[:, self.n_kept:]
         if mode == "mean":
-            out[:, self.n_kept:].div_(self.count.to(x.dtype))
+            dst.mul_(self.inv_count).addcmul_(sums.view(B, -1, C), self.weight)
+        elif mode == "sum":
+            dst.add_(sums.view(B, -1, C), alpha=1 / SCALE)
+        else:
+            raise ValueError(f"ToMe: unknown merge mode {mode!r}; use 'mean' or 'sum'")
         return out
 
-    def _merge_reduce(self, x: torch.Tensor, mode: str) -> torch.Tensor:
-        B, _, C = x.shape
-        kept = x.gather(1, self.kept_idx[..., None].expand(B, -1, C))
-        src = x.gather(1, self.merged_idx[..., None].expand(B, -1, C))
-        dst = x[:, self.dst_idx].scatter_reduce(
-            1, self.dst_of_merged[..., None].expand(B, -1, C), src, reduce=mode)
-        return torch.cat([kept, dst], dim=1)
-
     def unmerge(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, N - r, C] -> [B, N, C]``: every merged source takes its destination's value."""
         B, M, C = x.shape
         return x.reshape(B * M, C).index_select(0, self.inverse_rows).view(B, self.num_tokens, C)
 

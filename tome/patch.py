@@ -8,10 +8,10 @@ WebUI (which replace ``CrossAttention.forward`` at class level) and ``_forward``
 keep working, and removal is exact: the hooks go, one attribute on the UNet goes, and no
 class or weight was ever touched.
 
-Per UNet call a pre-hook on the UNet records the latent size and the timestep. The random
-destination choice is a pure function of ``(seed, timestep, grid)``, so cond and uncond halves
-get the same partition even when a host runs them in separate calls (which is what made
-tomesd's odd batches produce artifacts), and the global RNG is never touched.
+Per UNet call a pre-hook on the UNet starts a ``plan.Step`` (latent size, timestep); the
+block pre-hook asks the shared ``plan.Planner`` for the block's plan, and the sub-layer hooks
+apply it. Which blocks merge, how destinations are drawn and when matching runs are decided
+in ``plan.py``, shared with the Forge adapter.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import merge
+from . import plan as _plan
 from .config import ToMeConfig
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
 BLOCK_CLASS = "BasicTransformerBlock"
-NUM_TRAIN_TIMESTEPS = 1000
 
 
 class UnsupportedModelError(TypeError):
@@ -48,6 +47,8 @@ class PatchReport:
     replaced_tomesd: bool = False
     # Filled in while running: downsample -> (tokens, tokens removed) of the latest call.
     tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Filled in while running: the auto policy's decision per (level, tokens, device kind).
+    decisions: dict[tuple[int, int, str], Any] = field(default_factory=dict)
 
     @property
     def patched_blocks(self) -> int:
@@ -67,24 +68,17 @@ class PatchReport:
         return text
 
 
-class _Call:
-    """Per-UNet-call context: latent size, timestep, and partitions shared by the blocks."""
-
-    def __init__(self, size: tuple[int, int], timestep: float | None, active: bool):
-        self.size, self.timestep, self.active = size, timestep, active
-        self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 class _State:
     def __init__(self, config: ToMeConfig, report: PatchReport):
         self.config, self.report = config, report
+        self.planner = _plan.Planner(config, report.max_downsample)
+        # The report shows the planner's live figures.
+        report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
         self.handles: list[Any] = []
-        self.call: _Call | None = None
-        self.calls = 0
+        self.step: _plan.Step | None = None
         self.warned: set[str] = set()
-        self.fixed_partitions: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        # id(block) -> the plan for the block's current call: a merge.Plan, or (h, w) for
-        # the downsample method. Kept here, not on the blocks, so removal leaves nothing behind.
+        # id(block) -> the plan for the block's current call. Kept here, not on the blocks, so
+        # removal leaves nothing behind.
         self.plans: dict[int, Any] = {}
 
     def warn_once(self, msg: str) -> None:
@@ -182,6 +176,16 @@ def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
                if not isinstance(getattr(block, n, None), nn.Module)]
     if missing:
         return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
+    for name in _sub_layers(config):
+        sub = getattr(block, name)
+        # Another patch reads or replaces this sub-layer's full token sequence (Self-Attention
+        # Guidance records attn1's attention map in the middle block): merging would change
+        # the shapes it expects.
+        if "forward" in vars(sub):
+            return (f"{name} forward replaced on the instance by another extension (e.g. "
+                    "Self-Attention Guidance)")
+        if sub._forward_hooks or sub._forward_pre_hooks:
+            return f"{name} is observed by another patch's hooks"
     if config.method == "downsample" and (getattr(block, "disable_self_attn", False)
                                           or getattr(block, "only_cross_attention", False)):
         return "attn1 is a cross-attention; downsampling its keys would drop the context"
@@ -218,16 +222,6 @@ def _tomesd_patched(unet: nn.Module) -> bool:
 
 # ----------------------------------------------------------------------------- hooks
 
-def _mix(*parts: int) -> int:
-    """A stable 63-bit hash (splitmix64), identical in every process, unlike ``hash()``."""
-    z = 0x9E3779B97F4A7C15
-    for p in parts:
-        z = (z ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        z ^= z >> 31
-    return z & 0x7FFFFFFFFFFFFFFF
-
-
 def _first(args: tuple, kwargs: dict, names: tuple[str, ...], pos: int) -> Any:
     if len(args) > pos:
         return args[pos]
@@ -246,137 +240,83 @@ def _set_first(args: tuple, kwargs: dict, names: tuple[str, ...], value: Any):
     raise RuntimeError("ToMe: could not find the hidden states argument")
 
 
-def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
-            ) -> tuple[int, int, int] | None:
-    """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``, or
-    None when that level is not merged (too deep, or not a grid of this latent)."""
-    ds, h, w = merge.grid_size(tokens, *size)
-    return None if ds > max_downsample or h * w != tokens else (ds, h, w)
-
-
-def seeded_partition(config: ToMeConfig, timestep: int, salt: int, h: int, w: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(src_idx, dst_idx)`` of an ``h x w`` grid: random destinations drawn from a private
-    generator seeded by ``(seed, timestep, salt, grid)``, or top-left without ``use_rand``."""
-    c, cells = config, None
-    if c.use_rand:
-        g = torch.Generator().manual_seed(_mix(c.seed, timestep, salt, h, w, c.sx, c.sy))
-        cells = merge.random_cells(h, w, c.sx, c.sy, g)
-    return merge.partition(h, w, c.sx, c.sy, cells, device)
-
-
 _X_NAMES = ("x", "hidden_states", "sample")
 _T_NAMES = ("timesteps", "timestep", "t")
 
 
 class _Hooks:
-    """The hook functions for one patched UNet, closing over its state."""
+    """The hook functions for one patched UNet, closing over its state. Each hook does one
+    thing whatever the method: the method chose which hooks were registered."""
 
     def __init__(self, state: _State):
         self.state = state
 
     # UNet ---------------------------------------------------------------
     def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        st, c = self.state, self.state.config
         x = _first(args, kwargs, _X_NAMES, 0)
-        # Reading a device tensor's value syncs with the device: only when something uses it.
-        needs_t = c.start > 0 or c.end < 1 or (c.use_rand and c.method == "merge")
-        t = _first(args, kwargs, _T_NAMES, 1) if needs_t else None
-        timestep = None
-        if isinstance(t, torch.Tensor) and t.numel():
-            timestep = float(t.reshape(-1)[0])
-        elif isinstance(t, (int, float)):
-            timestep = float(t)
-        active = True
-        if timestep is not None and (c.start > 0 or c.end < 1):
-            progress = 1.0 - timestep / NUM_TRAIN_TIMESTEPS
-            active = c.start <= progress <= c.end
-        st.calls += 1
-        st.call = _Call(tuple(x.shape[-2:]), timestep, active) if x is not None else None
+        t = _first(args, kwargs, _T_NAMES, 1)
+        self.state.step = self.state.planner.step(tuple(x.shape[-2:]), x.device, t) \
+            if isinstance(x, torch.Tensor) else None
 
     def unet_post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        self.state.call = None
+        self.state.step = None
 
     # Block --------------------------------------------------------------
     def block_pre(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        st, c = self.state, self.state.config
+        st = self.state
         st.plans.pop(id(block), None)
-        call = st.call
-        if call is None or not call.active:
+        if st.step is None:
             return
         if type(block).__name__ == "ToMeBlock":  # tomesd re-patched it behind our back
             st.warn_once("ToMe: a block was patched by tomesd after ours; skipping it so it is "
                          "never merged twice")
             return
         x = _first(args, kwargs, _X_NAMES, 0)
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            return
-        grid = grid_of(x.shape[1], call.size, st.report.max_downsample)
-        if grid is None:
-            return
-        ds, h, w = grid
-        if c.method == "downsample":
-            st.plans[id(block)] = (h, w)
-            st.report.tokens[ds] = (x.shape[1], x.shape[1] - x.shape[1]
-                                    // c.downsample_factor ** 2)
-            return
-        r = int(x.shape[1] * c.ratio)
-        if r <= 0:
-            return
-        src_idx, dst_idx = self._partition(call, h, w, x.device)
-        plan = merge.Plan(x, src_idx, dst_idx, r, merge.matcher(c.matching, h, w, c.sx, c.sy))
-        st.report.tokens[ds] = (x.shape[1], plan.r)
-        st.plans[id(block)] = plan
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            plan = st.planner.plan(st.step, x)
+            if plan is not None:
+                st.plans[id(block)] = plan
 
     def block_post(self, block: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plans.pop(id(block), None)
 
-    def _partition(self, call: _Call, h: int, w: int, device: torch.device):
-        """Shared by every block at this grid size in this call; without ``use_rand`` the
-        partition never changes, so it is kept across calls."""
-        key = (h, w)
-        if key not in call.partitions:
-            c, st = self.state.config, self.state
-            if c.use_rand:
-                t = -1 if call.timestep is None else round(call.timestep * 1000)
-                salt = st.calls if call.timestep is None else 0
-                call.partitions[key] = seeded_partition(c, t, salt, h, w, device)
-            else:
-                fixed = (h, w, str(device))
-                if fixed not in st.fixed_partitions:
-                    st.fixed_partitions[fixed] = seeded_partition(c, 0, 0, h, w, device)
-                call.partitions[key] = st.fixed_partitions[fixed]
-        return call.partitions[key]
-
     # Sub-layers ---------------------------------------------------------
-    def sub_pre(self, block: nn.Module):
-        key = id(block)
-        # The keyword that carries attn1's keys/values: ldm/sgm ``context``, diffusers
-        # ``encoder_hidden_states``.
-        kv_name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
+    def merge_pre(self, block: nn.Module):
+        """Merge the sub-layer's input."""
+        plans, key = self.state.plans, id(block)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            plan = self.state.plans.get(key)
+            plan = plans.get(key)
             if plan is None:
                 return None
             hidden = _first(args, kwargs, _X_NAMES, 0)
-            if isinstance(plan, tuple):  # (h, w): downsample, hooked on attn1 only
-                h, w = plan
-                kv = merge.downsample_tokens(hidden, h, w, self.state.config.downsample_factor)
-                return args, {**kwargs, kv_name: kv}
             return _set_first(args, kwargs, _X_NAMES, plan.merge(hidden))
         return hook
 
-    def sub_post(self, block: nn.Module):
-        key = id(block)
+    def unmerge_post(self, block: nn.Module):
+        """Unmerge the sub-layer's output."""
+        plans, key = self.state.plans, id(block)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any):
-            plan = self.state.plans.get(key)
+            plan = plans.get(key)
             if plan is None:
                 return None
             if isinstance(out, tuple):  # some attention processors return (hidden, extra)
                 return (plan.unmerge(out[0]), *out[1:])
             return plan.unmerge(out)
+        return hook
+
+    def downsample_pre(self, block: nn.Module):
+        """Give ``attn1`` pooled keys and values. The keyword that carries them: ldm/sgm
+        ``context``, diffusers ``encoder_hidden_states``."""
+        plans, key = self.state.plans, id(block)
+        kv_name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            plan = plans.get(key)
+            if plan is None:
+                return None
+            return args, {**kwargs, kv_name: plan.kv(_first(args, kwargs, _X_NAMES, 0))}
         return hook
 
 
@@ -401,21 +341,21 @@ def apply(model: Any, config: ToMeConfig) -> Any:
                       stacklevel=3)
     levels = block_levels(unet)
     known = sorted({d for d in levels.values() if d > 0})
-    max_ds = config.max_downsample if config.max_downsample is not None else (
-        known[0] if known else 1)
+    max_ds = _plan.auto_max_downsample(config, known)
     report = PatchReport(family=_family(blocks[0]), config=config, max_downsample=max_ds,
                          total_blocks=len(blocks), replaced_tomesd=replaced)
     targets = []
     for name, b in named:
+        ds = levels.get(b, 0)
+        if ds > max_ds:  # never merged: whatever else patches it is no concern of ours
+            continue
         problem = _block_problem(b, config)
         if problem:
             report.skipped.append((name, problem))
             continue
-        ds = levels.get(b, 0)
-        if ds == 0 or ds <= max_ds:
-            targets.append(b)
-            if ds:
-                report.levels[ds] = report.levels.get(ds, 0) + 1
+        targets.append(b)
+        if ds:
+            report.levels[ds] = report.levels.get(ds, 0) + 1
     if report.skipped:
         # warnings shows an identical message once, so hosts re-applying per pass do not spam.
         warnings.warn(f"ToMe: skipped {len(report.skipped)} of {len(blocks)} block(s): "
@@ -436,9 +376,12 @@ def apply(model: Any, config: ToMeConfig) -> Any:
             h.append(b.register_forward_hook(hooks.block_post, with_kwargs=True))
             for name in _sub_layers(config):
                 sub = getattr(b, name)
-                h.append(sub.register_forward_pre_hook(hooks.sub_pre(b), with_kwargs=True))
-                if config.method == "merge":  # downsampled keys need no unmerge
-                    h.append(sub.register_forward_hook(hooks.sub_post(b), with_kwargs=True))
+                if config.method == "downsample":  # downsampled keys need no unmerge
+                    h.append(sub.register_forward_pre_hook(hooks.downsample_pre(b),
+                                                           with_kwargs=True))
+                    continue
+                h.append(sub.register_forward_pre_hook(hooks.merge_pre(b), with_kwargs=True))
+                h.append(sub.register_forward_hook(hooks.unmerge_post(b), with_kwargs=True))
         setattr(unet, STATE_ATTR, state)
     except BaseException:
         for handle in state.handles:

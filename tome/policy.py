@@ -56,6 +56,18 @@ def level_tokens(latent: tuple[int, int], level: int) -> int:
     return math.ceil(h / level) * math.ceil(w / level)
 
 
+def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str) -> Decision:
+    """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``."""
+    if config.policy == "fixed":
+        return Decision(level, tokens, True, "fixed policy")
+    threshold = THRESHOLDS.get(kind, THRESHOLDS[FALLBACK])[config.method]
+    if tokens >= threshold:
+        return Decision(level, tokens, True, f"{tokens} tokens, at or above the {kind.upper()} "
+                        f"threshold ({threshold})")
+    return Decision(level, tokens, False, f"{tokens} tokens, below the {kind.upper()} threshold "
+                    f"({threshold}); not merged")
+
+
 def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
            kind: str) -> list[Decision]:
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
@@ -63,21 +75,7 @@ def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tupl
     ``fixed`` merges every one of them; ``auto`` only those with at least the device kind's
     threshold of tokens.
     """
-    out = []
-    threshold = THRESHOLDS.get(kind, THRESHOLDS[FALLBACK])[config.method]
-    for level in sorted(levels):
-        tokens = level_tokens(latent, level)
-        if config.policy == "fixed":
-            out.append(Decision(level, tokens, True, "fixed policy"))
-        elif tokens >= threshold:
-            out.append(Decision(level, tokens, True,
-                                f"{tokens} tokens, at or above the {kind.upper()} threshold "
-                                f"({threshold})"))
-        else:
-            out.append(Decision(level, tokens, False,
-                                f"{tokens} tokens, below the {kind.upper()} threshold "
-                                f"({threshold}); not merged"))
-    return out
+    return [decide_level(config, lv, level_tokens(latent, lv), kind) for lv in sorted(levels)]
 
 
 def summary(decisions: list[Decision], latent: tuple[int, int], scale: int = 8) -> str:

@@ -1,4 +1,4 @@
-"""Correctness of the speed work: matching, merge/unmerge, downsampling, the timestep window."""
+"""The algorithm (``tome/merge.py``): matching, merge/unmerge, downsampling, hashed cells."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def test_global_matching_equals_tomesd(h, w, no_rand, dtype):
         x, w, h, 2, 2, r, no_rand=no_rand, generator=torch.Generator().manual_seed(3))
     a, b = m1(y), m2(y)
     assert a.shape == b.shape == (2, h * w - r, 64)
-    # Identical, in the same order, even in bf16 where equal scores are common.
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(u1(a * 2 + 1), u2(b * 2 + 1), rtol=0, atol=0)
+    # The same tokens in the same order, even in bf16 where equal scores are common; the sum
+    # is exact here (fixed point), so tomesd's rounding differs by at most one unit (bf16).
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+    torch.testing.assert_close(u1(a * 2 + 1).float(), u2(b * 2 + 1).float(), **tol)
 
 
 def test_global_matching_chunked_equals_unchunked(monkeypatch):
@@ -87,14 +89,16 @@ def test_merge_unmerge_bookkeeping():
     assert m.shape == (2, h * w - 20, 4)
     # Means are preserved: the count-weighted sum of the merged tokens is the sum of x.
     counts = torch.ones(2, m.shape[1], 1)
-    counts[:, plan.n_kept:] = plan.count
+    counts[:, plan.n_kept:] = plan.inv_count.reciprocal()
     torch.testing.assert_close((m * counts).sum(1), x.sum(1), rtol=1e-5, atol=1e-5)
     u = plan.unmerge(m)
-    kept = plan.kept_idx[0]
+    kept = plan.gather_rows[:plan.n_kept]  # batch 0's kept tokens
     torch.testing.assert_close(u[0, kept], x[0, kept])
-    torch.testing.assert_close(plan.merge(x, "sum")[:, :plan.n_kept], m[:, :plan.n_kept])
-    amax = plan.merge(x, "amax")
-    assert amax.shape == m.shape
+    summed = plan.merge(x, "sum")
+    torch.testing.assert_close(summed[:, :plan.n_kept], m[:, :plan.n_kept])
+    torch.testing.assert_close(summed.sum(1), x.sum(1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="merge mode"):
+        plan.merge(x, "amax")
 
 
 @pytest.mark.parametrize("h,w,f", [(16, 16, 2), (16, 16, 4), (13, 17, 2), (12, 9, 3), (7, 7, 8)])

@@ -1,0 +1,295 @@
+"""The plan module (``tome/plan.py``) and the GPU-first properties of the merge path, checked
+on the CPU: determinism without atomics, few dispatched ops, one plan per level, counter-based
+destinations, the auto policy at run time, coexistence with attention-map users, and random
+settings (property-based)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models import TINY_SD15, ldm_inputs, ldm_unet
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tome
+from tome import merge, plan, policy
+from tome.config import ToMeConfig
+
+# Ops that accumulate with atomics on CUDA (non-deterministic, see the PyTorch docs of
+# torch.use_deterministic_algorithms), or that sum floats in a scheduling-dependent order.
+ATOMIC = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+          "scatter_reduce_", "index_reduce", "index_reduce_", "_index_put_impl_", "put_",
+          "bincount", "embedding_bag", "_segment_reduce"}
+
+
+class Ops(TorchDispatchMode):
+    """Counts every ATen op dispatched (each one a kernel launch or a view on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[func.overloadpacket.__name__] += 1
+        self.calls.append((func.overloadpacket.__name__, args, kwargs))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    return ldm_unet(TINY_SD15)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return ldm_inputs(2, 32, 32)
+
+
+def _count(unet, inputs):
+    with Ops() as m:
+        unet(*inputs)
+    return m
+
+
+def _cumsum_dtypes(calls):
+    return {args[0].dtype for name, args, _ in calls if name.startswith("cumsum")}
+
+
+# ------------------------------------------------------------------------- GPU-first proxies
+
+@pytest.mark.parametrize("kw", [{}, {"matching": "local"}, {"method": "downsample"},
+                                {"share": "block"}, {"use_rand": False}])
+def test_no_atomic_accumulation_in_the_forward(sd15, inputs, kw):
+    tome.apply_patch(sd15, ratio=0.5, **kw)
+    try:
+        m = _count(sd15, inputs)
+    finally:
+        tome.remove_patch(sd15)
+    assert not ATOMIC & set(m.ops), sorted(ATOMIC & set(m.ops))
+    accumulating = [n for n, a, k in m.calls if n.startswith("index_put")
+                    and (k.get("accumulate") or (len(a) > 3 and a[3]))]
+    assert not accumulating
+    # Float prefix sums are scheduling-dependent on CUDA: only integer scans are allowed.
+    assert _cumsum_dtypes(m.calls) <= {torch.int64}
+
+
+def test_dispatched_ops_per_merged_block(sd15, inputs):
+    """A CPU proxy of per-block GPU overhead (kernel launches and views). The amortised figure
+    is what a block costs beyond the unpatched forward, plan building included."""
+    base = sum(_count(sd15, inputs).ops.values())
+    per_block = {}
+    for name, kw in {"merge": {}, "downsample": {"method": "downsample"},
+                     "merge per block": {"share": "block"}}.items():
+        tome.apply_patch(sd15, ratio=0.5, **kw)
+        try:
+            extra = sum(_count(sd15, inputs).ops.values()) - base
+            per_block[name] = extra / tome.patch_report(sd15).patched_blocks
+        finally:
+            tome.remove_patch(sd15)
+    # Was 64 (merge) and 173 (local) per block before plans were shared and built on-device.
+    assert per_block["merge"] <= 40, per_block
+    assert per_block["downsample"] <= 6, per_block
+    assert per_block["merge"] < per_block["merge per block"] / 2, per_block
+
+
+def test_same_input_same_bits_and_order_independent_sum():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24 * 24, 16, generator=g)
+    src, dst = merge.partition(24, 24, 2, 2, merge.hashed_cells(24, 24, 2, 2, 7, 500.0, "cpu"))
+    p = merge.Plan(x, src, dst, 24 * 12)
+    y = torch.randn(2, 24 * 24, 16, generator=g)
+    a = p.merge(y)
+    # Summing the sources in any order gives the same bits: reverse each segment's order.
+    q = merge.Plan(x, src, dst, 24 * 12)
+    q.src_rows = torch.cat([seg.flip(0) for seg in torch.split(
+        q.src_rows, (q.ends - q.starts).tolist())])
+    assert torch.equal(a, q.merge(y))
+    assert torch.equal(a, p.merge(y.clone()))
+
+
+def test_hashed_cells_are_a_pure_function_of_seed_timestep_and_cell():
+    f = merge.hashed_cells
+    a = f(16, 24, 2, 2, 1, torch.tensor([500.0, 500.0]), "cpu")
+    assert a.shape == (8, 12) and a.dtype == torch.int64
+    assert torch.equal(a, f(16, 24, 2, 2, 1, 500.0, "cpu"))        # tensor or number
+    assert torch.equal(a, f(16, 24, 2, 2, 1, torch.tensor(500.0), "cpu"))
+    assert not torch.equal(a, f(16, 24, 2, 2, 1, 499.0, "cpu"))    # timestep matters
+    assert not torch.equal(a, f(16, 24, 2, 2, 2, 500.0, "cpu"))    # seed matters
+    counts = torch.bincount(f(64, 64, 2, 2, 3, 10.0, "cpu").reshape(-1), minlength=4)
+    assert counts.min() > 0.2 * counts.sum()                       # every position is used
+    state = torch.random.get_rng_state()
+    f(8, 8, 3, 2, 5, None, "cpu")
+    assert torch.equal(state, torch.random.get_rng_state())         # global RNG untouched
+
+
+def test_one_plan_per_level_and_call(sd15, inputs, monkeypatch):
+    built = []
+    real = merge.Plan.__init__
+
+    def spy(self, *a, **k):
+        built.append(a[0].shape)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(merge.Plan, "__init__", spy)
+    for share, expected in (("level", 1), ("block", 5)):
+        built.clear()
+        tome.apply_patch(sd15, ratio=0.5, share=share)
+        try:
+            out = sd15(*inputs)
+        finally:
+            tome.remove_patch(sd15)
+        assert len(built) == expected, (share, built)
+        assert torch.isfinite(out).all()
+
+
+def test_level_sharing_changes_the_image_little(sd15, inputs):
+    base = sd15(*inputs)
+    dev = {}
+    for share in ("level", "block"):
+        tome.apply_patch(sd15, ratio=0.5, share=share)
+        try:
+            dev[share] = float((sd15(*inputs) - base).abs().mean() / base.abs().mean())
+        finally:
+            tome.remove_patch(sd15)
+    assert 0 < dev["level"] < 2 * dev["block"], dev
+
+
+def test_compiles_fullgraph_without_recompiling_per_timestep(sd15, inputs):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    x, _, c = inputs
+    tome.apply_patch(sd15, ratio=0.5)
+    try:
+        counters.clear()
+        f = torch.compile(sd15, fullgraph=True, backend="eager")
+        for t in (900.0, 500.0, 100.0):
+            ts = torch.full((2,), t)
+            torch.testing.assert_close(f(x, ts, c), sd15(x, ts, c), rtol=0, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        tome.remove_patch(sd15)
+        torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------- auto policy
+
+def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
+    # CPU threshold: 1024 tokens. A 16x16 latent has 256 tokens at full resolution.
+    assert policy.THRESHOLDS["cpu"]["merge"] == 1024
+    small = ldm_inputs(2, 16, 16)
+    base = sd15(*small)
+    tome.apply_patch(sd15, ratio=0.5, policy="auto")
+    try:
+        assert torch.equal(sd15(*small), base)  # not merged: bit-identical
+        (d,) = tome.patch_report(sd15).decisions.values()
+        assert not d.merged and "below the CPU threshold (1024)" in d.reason
+        big = ldm_inputs(1, 32, 32)
+        ref_big = None
+        out = sd15(*big)
+    finally:
+        tome.remove_patch(sd15)
+    ref_big = sd15(*big)
+    assert not torch.equal(out, ref_big)  # 1024 tokens: merged
+
+
+@pytest.mark.parametrize("kind,tokens,merged", [
+    ("cuda", 4096, False), ("cuda", 16384, True), ("cpu", 1024, True), ("cpu", 1023, False),
+    ("mps", 4096, True), ("xla", 4096, False)])
+def test_policy_decisions_per_device_kind(kind, tokens, merged):
+    cfg = ToMeConfig(policy="auto")
+    assert policy.decide_level(cfg, 1, tokens, policy.device_kind(kind)).merged is merged
+    assert policy.decide_level(cfg.replace(policy="fixed"), 1, tokens, kind).merged
+
+
+def test_policy_summary_names_size_tokens_and_device():
+    cfg = ToMeConfig(policy="auto")
+    line = policy.summary(policy.decide(cfg, (64, 64), [1], "cuda"), (64, 64))
+    assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384); not merged"
+
+
+# ------------------------------------------------------------------------- other patchers
+
+def test_attn1_replaced_on_the_instance_is_skipped(inputs):
+    """Self-Attention Guidance (A1111 extension) swaps the middle block's attn1.forward to
+    record its attention map; merging there would break its reshape."""
+    unet = ldm_unet(TINY_SD15)
+    mid = [m for m in unet.middle_block.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    attn = mid[0].attn1
+    attn.forward = attn.forward  # an instance-level override, as SAG does
+    tome.apply_patch(unet, ratio=0.5, max_downsample=8)
+    report = tome.patch_report(unet)
+    assert any("Self-Attention Guidance" in why for _, why in report.skipped)
+    assert report.patched_blocks == report.total_blocks - 1
+    out = unet(*inputs)
+    tome.remove_patch(unet)
+    assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------- random settings
+
+def test_grid_smaller_than_one_cell_is_skipped():
+    """ratio 0.75, 4x1 stride, max_downsample 8, 192x192 px (24x24 latent): the deepest
+    level is 3x3 tokens, narrower than one 4-wide cell. Used to raise IndexError."""
+    unet = ldm_unet(TINY_SD15)
+    x, t, c = ldm_inputs(1, 24, 24)
+    tome.apply_patch(unet, ratio=0.75, sx=4, sy=1, max_downsample=8)
+    out = unet(x, t, c)
+    tome.remove_patch(unet)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+_UNET = None
+
+
+def _unet():
+    global _UNET
+    if _UNET is None:
+        _UNET = ldm_unet(TINY_SD15)
+    return _UNET
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ratio=st.floats(-0.2, 1.0), sx=st.integers(0, 5), sy=st.integers(1, 5),
+       max_ds=st.sampled_from([None, 1, 2, 4, 8, 3]), method=st.sampled_from(
+           ["merge", "downsample"]), matching=st.sampled_from(["global", "local"]),
+       share=st.sampled_from(["level", "block"]), factor=st.integers(1, 5),
+       batch=st.integers(1, 3), h=st.integers(3, 26), w=st.integers(3, 26),
+       use_rand=st.booleans())
+def test_random_settings_either_fail_cleanly_or_run(ratio, sx, sy, max_ds, method, matching,
+                                                    share, factor, batch, h, w, use_rand):
+    unet = _unet()
+    x, t, c = ldm_inputs(batch, h, w)
+    kw = dict(ratio=ratio, sx=sx, sy=sy, max_downsample=max_ds, method=method,
+              matching=matching, share=share, downsample_factor=factor, use_rand=use_rand)
+    try:
+        cfg = ToMeConfig(**kw)
+    except ValueError as e:
+        assert str(e).startswith("ToMe: invalid")
+        with pytest.raises(ValueError):
+            tome.apply_patch(unet, **kw)
+        assert not tome.is_patched(unet)
+        return
+    base = unet(x, t, c)
+    tome.apply_patch(unet, config=cfg)
+    try:
+        out = unet(x, t, c)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        # Each image of a batch is the image alone.
+        torch.testing.assert_close(unet(x[:1], t[:1], c[:1]), out[:1], rtol=0, atol=1e-5)
+    finally:
+        tome.remove_patch(unet)
+    assert torch.equal(unet(x, t, c), base)  # removal is exact
+
+
+def test_grid_of_and_auto_level():
+    assert plan.grid_of(4096, (64, 64), 1) == (1, 64, 64)
+    assert plan.grid_of(1024, (64, 64), 1) is None
+    assert plan.grid_of(1024, (64, 64), 2) == (2, 32, 32)
+    assert plan.auto_max_downsample(ToMeConfig(), [2, 4]) == 2
+    assert plan.auto_max_downsample(ToMeConfig(max_downsample=4), [1]) == 4

@@ -1,0 +1,183 @@
+"""What to merge in one UNet call: the plan module shared by every host adapter.
+
+Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``forge.py``:
+Forge's UNet patcher) see the same things: a UNet call starts (latent size, timestep), then
+transformer blocks run, each with a token sequence. ``Planner`` turns that into one plan per
+block: a ``merge.Plan`` (ToMe), a ``DownsamplePlan`` (ToDo) or nothing, deciding
+
+- which blocks are merged: the grid of the block's tokens (``grid_of``), ``max_downsample``
+  and the ``auto`` policy (``policy.py``);
+- which tokens are destinations: a partition that is a pure function of (seed, timestep,
+  grid), computed on the device, so the cond and uncond halves of a step agree even when a
+  host runs them in separate calls, and the global RNG is never touched;
+- how often matching runs: once per block (``share="block"``, tomesd's way) or once per level
+  and call, reused by every block at that level (``share="level"``).
+
+The forward path reads nothing back to the host (no ``.item()``, no ``float(tensor)``) except
+the timestep, once per call, and only when a ``start``/``end`` window needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import merge, policy
+from .config import ToMeConfig
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
+            ) -> tuple[int, int, int] | None:
+    """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``, or
+    None when that level is not merged (too deep, or not a grid of this latent)."""
+    ds, h, w = merge.grid_size(tokens, *size)
+    return None if ds > max_downsample or h * w != tokens else (ds, h, w)
+
+
+def auto_max_downsample(config: ToMeConfig, levels: list[int] | set[int]) -> int:
+    """``config.max_downsample``, or the highest-resolution level that has transformer blocks
+    (1 on SD1/SD2; 2 on SDXL, which has no attention at full resolution)."""
+    if config.max_downsample is not None:
+        return config.max_downsample
+    known = sorted(d for d in levels if d > 0)
+    return known[0] if known else 1
+
+
+def _mix(*parts: int) -> int:
+    """A stable 63-bit hash (splitmix64), identical in every process, unlike ``hash()``."""
+    z = 0x9E3779B97F4A7C15
+    for p in parts:
+        z = (z ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        z ^= z >> 31
+    return z & 0x7FFFFFFFFFFFFFFF
+
+
+def seeded_partition(config: ToMeConfig, timestep: torch.Tensor | float | None, h: int, w: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(src_idx, dst_idx)`` of an ``h x w`` grid: destinations hashed from
+    ``(seed, timestep, grid, cell)`` on ``device``, or top-left without ``use_rand``."""
+    c = config
+    cells = None
+    if c.use_rand:
+        key = _mix(c.seed, h, w, c.sx, c.sy)
+        cells = merge.hashed_cells(h, w, c.sx, c.sy, key, timestep, device)
+    return merge.partition(h, w, c.sx, c.sy, cells, device)
+
+
+class DownsamplePlan:
+    """ToDo for one level: the keys and values of self-attention are pooled by ``factor``;
+    queries keep every token, so there is nothing to undo."""
+
+    __slots__ = ("h", "w", "factor", "mode")
+
+    def __init__(self, h: int, w: int, factor: int, mode: str = "nearest"):
+        self.h, self.w, self.factor, self.mode = h, w, factor, mode
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        return merge.downsample_tokens(x, self.h, self.w, self.factor, self.mode)
+
+
+class Step:
+    """One UNet call: the latent size, the timestep (left on the device) and the plans shared
+    by the blocks of this call."""
+
+    __slots__ = ("size", "timestep", "kind", "plans", "partitions")
+
+    def __init__(self, size: tuple[int, int], timestep: Any, kind: str):
+        self.size, self.timestep, self.kind = size, timestep, kind
+        self.plans: dict[tuple[int, int], Any] = {}
+        self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class Planner:
+    """The plans of one patched model, call after call (see the module docstring)."""
+
+    def __init__(self, config: ToMeConfig, max_downsample: int):
+        self.config, self.max_downsample = config, max_downsample
+        c = config
+        self.matcher = None if c.matching == "global" else c.matching
+        # Without random destinations the partition never changes: kept across calls.
+        self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (level, tokens, device kind) -> policy.Decision, filled as levels are met.
+        self.decisions: dict[tuple[int, int, str], policy.Decision] = {}
+        # Filled while running: downsample -> (tokens, tokens removed) of the latest call.
+        self.tokens: dict[int, tuple[int, int]] = {}
+
+    def step(self, size: tuple[int, int], device: torch.device, timestep: Any) -> Step | None:
+        """Start a UNet call on a latent of ``size`` (height, width) on ``device``; None when
+        this step is outside the ``start``/``end`` window (the only place the timestep is read
+        on the host)."""
+        c = self.config
+        if c.start > 0 or c.end < 1:
+            if isinstance(timestep, torch.Tensor) and timestep.numel():
+                t = float(timestep.reshape(-1)[0])
+            elif isinstance(timestep, (int, float)):
+                t = float(timestep)
+            else:
+                t = None
+            if t is not None and not c.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= c.end:
+                return None
+        return Step(tuple(size), timestep if c.use_rand else None, policy.device_kind(device))
+
+    def decision(self, level: int, tokens: int, kind: str) -> policy.Decision:
+        if torch.compiler.is_compiling():  # a dict filled on the first call would recompile
+            return policy.decide_level(self.config, level, tokens, kind)
+        key = (level, tokens, kind)
+        if key not in self.decisions:
+            self.decisions[key] = policy.decide_level(self.config, level, tokens, kind)
+        return self.decisions[key]
+
+    def plan(self, step: Step, x: torch.Tensor) -> Any:
+        """The plan for a block whose input is ``x`` [B, N, C] in ``step``, or None."""
+        c = self.config
+        N = x.shape[1]
+        grid = grid_of(N, step.size, self.max_downsample)
+        if grid is None:
+            return None
+        ds, h, w = grid
+        if not self.decision(ds, N, step.kind).merged:
+            return None
+        if c.method == "downsample":
+            plan = step.plans.get((h, w))
+            if plan is None:
+                plan = step.plans[(h, w)] = DownsamplePlan(h, w, c.downsample_factor)
+                f = c.downsample_factor
+                self._record(ds, N, N - max(1, h // f) * max(1, w // f))
+            return plan
+        r = int(N * c.ratio)
+        if r <= 0 or h < c.sy or w < c.sx:  # no whole stride cell: nothing to merge into
+            return None
+        if c.share == "level":
+            plan = step.plans.get((h, w))
+            if plan is not None and plan.batch == x.shape[0]:
+                return plan
+        src_idx, dst_idx = self.partition(step, h, w, x.device)
+        match = None if self.matcher is None else \
+            merge.matcher(self.matcher, h, w, c.sx, c.sy)
+        plan = merge.Plan(x, src_idx, dst_idx, r, match)
+        if c.share == "level":
+            step.plans[(h, w)] = plan
+        self._record(ds, N, plan.r)
+        return plan
+
+    def _record(self, ds: int, tokens: int, removed: int) -> None:
+        """Report figures, in eager mode only: a compiled graph would guard on the dict."""
+        if not torch.compiler.is_compiling():
+            self.tokens[ds] = (tokens, removed)
+
+    def partition(self, step: Step, h: int, w: int, device: torch.device):
+        """Shared by every block at this grid size in this call."""
+        key = (h, w)
+        if key not in step.partitions:
+            if self.config.use_rand:
+                step.partitions[key] = seeded_partition(self.config, step.timestep, h, w, device)
+            else:
+                fixed = (h, w, str(device))
+                if fixed not in self.fixed:
+                    self.fixed[fixed] = seeded_partition(self.config, None, h, w, device)
+                step.partitions[key] = self.fixed[fixed]
+        return step.partitions[key]
