@@ -35,11 +35,13 @@ class Patcher:
         self.patches["attn1_output_patch"].append(fn)
 
 
-def self_attention_block(patcher, x, shape, sigma=1.0, cross=None):
+def self_attention_block(patcher, x, shape, sigma=1.0, cross=None, block=("input", 1), index=0,
+                         replace=None):
     """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention)."""
     n = F.layer_norm(x, x.shape[-1:])
     k = v = n if cross is None else cross
-    extra = {"original_shape": list(shape), "sigmas": torch.tensor([sigma])}
+    extra = {"original_shape": list(shape), "sigmas": torch.tensor([sigma]), "block": block,
+             "block_index": index, "patches_replace": {"attn1": replace or {}}}
     for p in patcher.patches["attn1_patch"]:
         n, k, v = p(n, k, v, extra)
     out = F.scaled_dot_product_attention(n, k, v)
@@ -97,3 +99,18 @@ def test_idempotent_inactive_and_seeded(patcher):
     b = self_attention_block(forge.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))[0], x,
                              (2, 4, 16, 16), sigma=2.0)
     assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
+
+
+def test_blocks_whose_attn1_another_patch_replaces_are_left_alone(patcher):
+    """Forge's Self-Attention Guidance replaces the middle block's attn1 to record its full
+    attention map; with max_downsample 8 merging there failed inside SAG (forge-check)."""
+    unet, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
+    x = torch.randn(2, 4 * 4, 8)  # the middle block of a 32x32 latent (ds8)
+    sag = {("middle", 0, 0): object()}
+    base = self_attention_block(Patcher(None), x, (2, 4, 32, 32), block=("middle", 0))
+    out = self_attention_block(unet, x, (2, 4, 32, 32), block=("middle", 0), replace=sag)
+    assert torch.equal(out, base)
+    assert patch.skipped == [(("middle", 0, 0), "attn1 replaced by another patch (e.g. "
+                                                "Self-Attention Guidance)")]
+    merged = self_attention_block(unet, x, (2, 4, 32, 32), block=("middle", 0))
+    assert not torch.equal(merged, base)  # without the replacement the block merges
