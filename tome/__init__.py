@@ -3,6 +3,7 @@ works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets.
 
     import tome
     tome.apply_patch(pipe, ratio=0.5)        # or an ldm/sgm model, or a bare UNet
+    tome.apply_patch(pipe, config=tome.preset("balanced"))  # auto policy: never slower
     print(tome.patch_report(pipe).summary())
     tome.remove_patch(pipe)                  # outputs are bit-identical to never patched
 """
@@ -11,14 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ToMeConfig
+from .config import PRESETS, ToMeConfig, preset
 from .patch import PatchReport, UnsupportedModelError, find_unet, remove_tomesd, state_of
 from .patch import apply as _apply
 from .patch import remove as _remove
 
 __version__ = "0.1.0"
-__all__ = ["ToMeConfig", "PatchReport", "UnsupportedModelError", "apply_patch", "remove_patch",
-           "is_patched", "patch_report", "find_unet", "remove_tomesd", "__version__"]
+__all__ = ["ToMeConfig", "PRESETS", "preset", "PatchReport", "UnsupportedModelError",
+           "apply_patch", "remove_patch", "is_patched", "patch_report", "find_unet",
+           "remove_tomesd", "__version__"]
 
 
 def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = None, sx: int = 2,
@@ -31,8 +33,11 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     or a bare ldm or diffusers UNet. ``max_downsample=None`` picks the highest-resolution level
     that has transformer blocks (1 on SD1/SD2, 2 on SDXL, which has none at full resolution).
     Extra keywords are other ``ToMeConfig`` fields: ``seed``, ``method`` ("merge" or
-    "downsample"), ``downsample_factor``, ``matching``, ``start``, ``end``. Pass ``config`` to
-    use a prepared ``ToMeConfig`` instead of keywords.
+    "downsample"), ``downsample_factor``, ``matching``, ``share`` ("level": one plan per UNet
+    level and call, the default; "block": tomesd's per-block matching), ``policy`` ("fixed",
+    the default, or "auto": merge a level only where it pays on the device), ``start``,
+    ``end``. Pass ``config`` (e.g. ``tome.preset("balanced")``) to use a prepared
+    ``ToMeConfig`` instead of keywords.
 
     Patching again replaces the previous patch (ours or tomesd's). Bad settings raise
     ``ValueError`` and an unsupported model ``UnsupportedModelError`` before anything changes.

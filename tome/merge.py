@@ -113,8 +113,21 @@ def cell_of(idx: torch.Tensor, w: int, sx: int, sy: int, hsy: int, wsx: int) -> 
     return (idx // w // sy).clamp(max=hsy - 1) * wsx + (idx % w // sx).clamp(max=wsx - 1)
 
 
+_DEVICE_BUDGET: dict[str, int] = {}
+
+
 def _budget(device: torch.device) -> int:
-    return CHUNK_BYTES if device.type == "cpu" else max(CHUNK_BYTES, DEVICE_CHUNK_BYTES)
+    """Bytes one chunk may take: ``CHUNK_BYTES`` on CPUs; on CUDA an eighth of the memory free
+    when the device is first used (read once per process, never inside a compiled graph),
+    between ``CHUNK_BYTES`` and 4 GiB, so large images take few chunks where memory allows."""
+    if device.type == "cpu":
+        return CHUNK_BYTES
+    key = str(device)
+    if key not in _DEVICE_BUDGET and device.type == "cuda" \
+            and not torch.compiler.is_compiling():
+        free, _ = torch.cuda.mem_get_info(device)
+        _DEVICE_BUDGET[key] = int(min(max(free // 8, CHUNK_BYTES), 4 << 30))
+    return _DEVICE_BUDGET.get(key, max(CHUNK_BYTES, DEVICE_CHUNK_BYTES))
 
 
 def _chunk_rows(cols: int, batch: int, itemsize: int, device: torch.device) -> int:
