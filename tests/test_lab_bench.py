@@ -41,7 +41,8 @@ def test_setting_parsing_labels_and_round_trip():
         s = Setting.parse(spec)
         assert Setting.parse(s.spec) == s, spec
     for bad in ("fast:0.5", "merge:0.9", "merge:0.5:nope=1", "tomesd:0.5:matching=local",
-                "ceiling:0.5", "match-only:theirs", "baseline:0.5", "merge:0.5:0.6"):
+                "ceiling:0.5", "match-only:theirs", "baseline:0.5", "merge:0.5:0.6",
+                "merge:0.5:method=downsample"):
         with pytest.raises(ValueError):
             Setting.parse(bad)
 
@@ -132,6 +133,20 @@ def test_matmul_probe_and_machine_line():
     assert "torch" in line and device.cpu_capability() in line
 
 
+def test_gpu_name_in_the_header(monkeypatch):
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: Props())
+    name = device.device_name("cuda")
+    assert name.startswith("NVIDIA H100 80GB HBM3 (sm_90, 80 GiB), ")
+    assert device.machine("cuda").startswith(name + ", torch ")
+    assert device.device_name("mps").startswith("Apple GPU (MPS)")
+
+
 def test_timer_and_memory_on_cpu():
     timer = timing.Timer("cpu")
     dt, out = timer(lambda: torch.ones(3).sum())
@@ -146,6 +161,43 @@ def test_timer_and_memory_on_cpu():
     with timing.peak_memory(mps, "mps"):  # no counter there: reported as unknown
         pass
     assert mps["peak"] is None
+
+
+def test_gpu_timing_and_memory_paths_with_fakes(monkeypatch):
+    """The CUDA path (events between synchronizes, max_memory_allocated after a reset) and the
+    MPS path (synchronize around a wall clock), with torch's device calls faked."""
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            calls.append("record")
+            self.t = len(calls)
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    dt, out = timing.Timer("cuda")(lambda: calls.append("work") or 7)
+    assert out == 7 and calls == ["sync", "record", "work", "record", "sync"]
+    assert dt == pytest.approx(2.0)  # seconds between the two records (fake clock)
+    stats = {"allocated": 100}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: stats.update(peak=stats["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak"])
+    mem: dict = {}
+    with timing.peak_memory(mem, "cuda"):
+        stats["peak"] = 100 + 4096
+    assert mem["peak"] == 4096
+    calls.clear()
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps sync"))
+    dt, _ = timing.Timer("mps")(lambda: calls.append("work"))
+    assert calls == ["mps sync", "work", "mps sync"] and dt >= 0
 
 
 def test_cli_rejects_a_missing_gpu(monkeypatch, capsys):
@@ -325,6 +377,41 @@ class _Hooked:
 
     def patched_blocks(self, model):
         return "1/1"
+
+
+def test_run_loop_on_a_faked_cuda_device(tiny_case, monkeypatch):
+    """The run loop's GPU branch (three warm-up rounds, CUDA timing and memory), with the
+    model left on the CPU and torch.cuda's calls faked."""
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            clock[0] += 0.5
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**20 + 10)
+    case = models.Case(tiny_case.model_name, tiny_case.size, "fp16", tiny_case.batch,
+                       model=tiny_case.model, inputs=tiny_case.inputs,
+                       device=torch.device("cuda"))
+    assert run.default_warmup(case.device) == 3
+    settings = variants.parse_settings(["merge:0.5", "ceiling"])
+    seen = []
+    rows = run.run_benchmark([case], settings, repeats=2, progress=False,
+                             on_row=lambda r: seen.append(r["variant"]))
+    assert seen == ["unmerged", "merge 0.5", "ceiling"]
+    for r in rows:
+        assert r["device"] == "cuda" and r["times"] == [0.5, 0.5] and r["peak"] == 2**20
+    assert rows[1]["patched"] == rows[2]["patched"] == "5/16"
 
 
 def test_compile_reports_graphs_breaks_and_recompiles():

@@ -126,8 +126,10 @@ def device_name(device: torch.device | str) -> str:
         i = device.index if device.index is not None else torch.cuda.current_device()
         p = torch.cuda.get_device_properties(i)
         major, minor = torch.cuda.get_device_capability(i)
+        runtime = (f"CUDA {torch.version.cuda}" if torch.version.cuda
+                   else f"ROCm {getattr(torch.version, 'hip', '?')}")
         return (f"{torch.cuda.get_device_name(i)} (sm_{major}{minor}, "
-                f"{p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+                f"{p.total_memory / 2**30:.0f} GiB), {runtime}")
     if device.type == "mps":
         return f"Apple GPU (MPS) on {platform.machine()} {platform.platform(terse=True)}"
     return f"{cpu_model()} ({cpu_capability()}), {torch.get_num_threads()} thread(s)"

@@ -92,6 +92,9 @@ class Setting:
             if value is not None or options:
                 raise ValueError(f"{where}: the baseline takes no value or options")
             return cls()
+        if "method" in options:
+            raise ValueError(f"{where}: the method is the spec's first word "
+                             "(merge:RATIO or downsample:FACTOR), not an option")
         impl = "tome"
         base: dict[str, Any] = {}
         if method in ("merge", "tomesd"):
