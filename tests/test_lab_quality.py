@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tome
+from tome.config import ToMeConfig
 from tome.lab import quality, report, showcase, tinyldm
 from tome.lab.variants import parse_settings
 
@@ -69,7 +70,7 @@ def test_showcase_settings_parse_with_the_benchmark_syntax():
     assert [x.label for x in s] == ["unmerged", "merge local 0.5", "downsample x4",
                                     "merge 0.75 end=0.5"]
     assert [x.group for x in s] == ["unmerged", "merge local", "downsample", "merge end=0.5"]
-    assert s[2].config == tome.ToMeConfig(method="downsample", downsample_factor=4)
+    assert s[2].config == ToMeConfig(method="downsample", downsample_factor=4)
     full = parse_settings(showcase.FULL_SETTINGS)  # every preset setting is valid
     assert len(full) == len(showcase.FULL_SETTINGS) and full[0].unmerged
 

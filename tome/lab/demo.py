@@ -15,6 +15,7 @@ import sys
 import torch
 
 import tome
+from tome.config import ToMeConfig
 
 from .device import DEVICES, device_name, pick_device, pick_dtype
 from .models import DTYPES, build_case, ldm_sdpa
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     case = build_case("sd15", args.size, dtype, device=device)
     unet, side = case.model, args.size // 8
     timer = Timer(device)
-    config = tome.ToMeConfig(ratio=args.ratio, seed=0)
+    config = ToMeConfig(ratio=args.ratio, seed=0)
 
     def forward() -> float:
         return timer(case.forward)[0]
