@@ -74,7 +74,7 @@ class ForgePatch:
             return n, k, v
         if c.method == "merge" and not c.merge_attn:
             return n, k, v
-        plan = self.planner.plan(self.step, n)
+        plan = self.planner.plan(self.step, n, decoder=block[0] == "output")
         if plan is None:
             return n, k, v
         if isinstance(plan, DownsamplePlan):

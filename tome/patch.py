@@ -75,6 +75,7 @@ class _State:
         # The report shows the planner's live figures.
         report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
         self.handles: list[Any] = []
+        self.decoder: set[nn.Module] = set()  # blocks on the UNet's upsampling side
         self.step: _plan.Step | None = None
         self.warned: set[str] = set()
         # id(block) -> the plan for the block's current call. Kept here, not on the blocks, so
@@ -155,6 +156,13 @@ def block_levels(unet: nn.Module) -> dict[nn.Module, int]:
         if _is_block(m):
             levels.setdefault(m, 0)
     return levels
+
+
+def decoder_blocks(unet: nn.Module) -> set[nn.Module]:
+    """The transformer blocks on the upsampling side (ldm/sgm ``output_blocks``, diffusers
+    ``up_blocks``)."""
+    side = getattr(unet, "output_blocks", None) or getattr(unet, "up_blocks", None) or []
+    return {m for part in side for m in part.modules() if _is_block(m)}
 
 
 def _sub_layers(config: ToMeConfig) -> tuple[str, ...]:
@@ -273,7 +281,7 @@ class _Hooks:
             return
         x = _first(args, kwargs, _X_NAMES, 0)
         if isinstance(x, torch.Tensor) and x.dim() == 3:
-            plan = st.planner.plan(st.step, x)
+            plan = st.planner.plan(st.step, x, block in st.decoder)
             if plan is not None:
                 st.plans[id(block)] = plan
 
@@ -366,6 +374,7 @@ def apply(model: Any, config: ToMeConfig) -> Any:
                       f"max_downsample=None (auto) or >= {known[0]}", stacklevel=3)
 
     state = _State(config, report)
+    state.decoder = decoder_blocks(unet)
     hooks = _Hooks(state)
     try:
         h = state.handles

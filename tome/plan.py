@@ -89,7 +89,7 @@ class Step:
 
     def __init__(self, size: tuple[int, int], timestep: Any, kind: str):
         self.size, self.timestep, self.kind = size, timestep, kind
-        self.plans: dict[tuple[int, int], Any] = {}
+        self.plans: dict[tuple, Any] = {}
         self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -131,8 +131,14 @@ class Planner:
             self.decisions[key] = policy.decide_level(self.config, level, tokens, kind)
         return self.decisions[key]
 
-    def plan(self, step: Step, x: torch.Tensor) -> Any:
-        """The plan for a block whose input is ``x`` [B, N, C] in ``step``, or None."""
+    def plan(self, step: Step, x: torch.Tensor, decoder: bool = False) -> Any:
+        """The plan for a block whose input is ``x`` [B, N, C] in ``step``, or None.
+
+        ``decoder``: the block is on the UNet's upsampling side. With ``share="level"`` the
+        encoder and the decoder each build their own plan for a level: decoder features differ
+        from the encoder's (they carry the skip connections), and reusing the encoder's matches
+        there costs visibly more quality (docs/quality.md).
+        """
         c = self.config
         N = x.shape[1]
         grid = grid_of(N, step.size, self.max_downsample)
@@ -152,7 +158,7 @@ class Planner:
         if r <= 0 or h < c.sy or w < c.sx:  # no whole stride cell: nothing to merge into
             return None
         if c.share == "level":
-            plan = step.plans.get((h, w))
+            plan = step.plans.get((h, w, decoder))
             if plan is not None and plan.batch == x.shape[0]:
                 return plan
         src_idx, dst_idx = self.partition(step, h, w, x.device)
@@ -160,7 +166,7 @@ class Planner:
             merge.matcher(self.matcher, h, w, c.sx, c.sy)
         plan = merge.Plan(x, src_idx, dst_idx, r, match)
         if c.share == "level":
-            step.plans[(h, w)] = plan
+            step.plans[(h, w, decoder)] = plan
         self._record(ds, N, plan.r)
         return plan
 
