@@ -12,3 +12,17 @@ torch.set_num_threads(int(os.environ.get("TOME_TEST_THREADS", "1")))
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    """A tiny SD1.5-layout ldm UNet (same levels and 16 blocks), random weights."""
+    from models import TINY_SD15, ldm_unet
+    return ldm_unet(TINY_SD15)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """(x, t, context) for ``sd15``: batch 2, a 32x32 latent."""
+    from models import ldm_inputs
+    return ldm_inputs(2, 32, 32)

@@ -36,16 +36,6 @@ def snapshot(module: nn.Module):
             for n, m in module.named_modules()]
 
 
-@pytest.fixture(scope="module")
-def sd15():
-    return ldm_unet(TINY_SD15)
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    return ldm_inputs(2, 32, 32)
-
-
 # --------------------------------------------------------------------------- tomesd oracle
 
 @pytest.mark.parametrize("subs", [dict(), dict(merge_crossattn=True, merge_mlp=True)])

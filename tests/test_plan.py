@@ -40,16 +40,6 @@ class Ops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def sd15():
-    return ldm_unet(TINY_SD15)
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    return ldm_inputs(2, 32, 32)
-
-
 def _count(unet, inputs):
     with Ops() as m:
         unet(*inputs)
