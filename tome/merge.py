@@ -282,17 +282,17 @@ class Plan:
             # Rows of x (flattened over the batch) that make the merged sequence [kept | dst].
             self.gather_rows = torch.cat([kept_idx, dst_idx.expand(B, num_dst)], 1) \
                 .add_(base * N).reshape(-1)
-            # Merged sources in destination order; destination d's sources are the rows
-            # [starts[d], ends[d]) of that list (offset by one for the zero row of the sum).
+            # Merged sources in destination order, flattened over the batch, after one leading
+            # row (any row: it cancels out). Destination k's sources are the rows (starts[k],
+            # ends[k]] of that list, so its sum is prefix[ends[k]] - prefix[starts[k]].
             by_dst = dst_of_merged.argsort(dim=1, stable=True)
-            sorted_dst = dst_of_merged.gather(1, by_dst)
-            self.src_rows = merged_idx.gather(1, by_dst).add_(base * N).reshape(-1)
-            d = torch.arange(num_dst, device=dev).expand(B, num_dst).contiguous()
-            ends = torch.searchsorted(sorted_dst, d, right=True)
-            starts = torch.searchsorted(sorted_dst, d)
-            self.ends = ends.add(base * r).reshape(-1)
-            self.starts = starts.add(base * r).reshape(-1)
-            count = (ends - starts + 1).to(torch.float32)[..., None]    # [B, num_dst, 1]
+            keys = dst_of_merged.gather(1, by_dst).add_(base * num_dst).reshape(-1)
+            sources = merged_idx.gather(1, by_dst).add_(base * N).reshape(-1)
+            self.src_rows = torch.cat([sources[:1], sources])
+            slots = torch.arange(B * num_dst, device=dev)
+            self.ends = torch.searchsorted(keys, slots, right=True)
+            self.starts = torch.searchsorted(keys, slots)
+            count = (self.ends - self.starts + 1).to(torch.float32).view(B, num_dst, 1)
             self.inv_count = count.reciprocal()
             self.weight = self.inv_count / SCALE
             # Position of every original token in the merged sequence [kept | dst].
@@ -312,7 +312,7 @@ class Plan:
         if self.r == 0:
             return out
         fixed = flat.index_select(0, self.src_rows).to(torch.float32).mul_(SCALE).to(torch.int64)
-        total = F.pad(fixed, (0, 0, 1, 0)).cumsum_(0)
+        total = fixed.cumsum_(0)
         sums = total.index_select(0, self.ends) - total.index_select(0, self.starts)
         dst = out[:, self.n_kept:]
         if mode == "mean":
