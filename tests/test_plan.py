@@ -202,7 +202,7 @@ def test_policy_decisions_per_device_kind(kind, tokens, merged):
 def test_policy_summary_names_size_tokens_and_device():
     cfg = ToMeConfig(policy="auto")
     line = policy.summary(policy.decide(cfg, (64, 64), [1], "cuda"), (64, 64))
-    assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384); not merged"
+    assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384), not merged"
 
 
 # ------------------------------------------------------------------------- other patchers

@@ -279,7 +279,7 @@ def test_auto_policy_says_per_pass_what_it_chose_and_why(webui, capsys):
     # CPU threshold: 1024 tokens. 128 px -> 16x16 latent (256 tokens); hires x2 -> 1024 tokens.
     res = webui.generate(tome=on(ratio=0.5), enable_hr=True)
     out = capsys.readouterr().out
-    first = "first pass 128x128 px: ds1 256 tokens, below the CPU threshold (1024); not merged"
+    first = "first pass 128x128 px: ds1 256 tokens, below the CPU threshold (1024), not merged"
     hires = "hires pass 256x256 px: ds1 1024 tokens, at or above the CPU threshold (1024)"
     assert out.count(f"ToMe auto: {first}\n") == 1 and out.count(f"ToMe auto: {hires}\n") == 1
     assert f'ToMe auto: "{first} | {hires}"' in res.info and "ToMe policy: auto" in res.info
@@ -315,7 +315,7 @@ def test_auto_decision_uses_the_device_the_pass_runs_on(webui, monkeypatch):
 
     monkeypatch.setattr(runner, "compute_device", lambda model, x=None: torch.device("cuda"))
     res = webui.generate(tome=on())
-    assert "ds1 256 tokens, below the CUDA threshold (16384); not merged" in res.info
+    assert "ds1 256 tokens, below the CUDA threshold (16384), not merged" in res.info
 
 
 # ----------------------------------------------------------------------------- one pass

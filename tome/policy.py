@@ -65,7 +65,7 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str) -> Deci
         return Decision(level, tokens, True, f"{tokens} tokens, at or above the {kind.upper()} "
                         f"threshold ({threshold})")
     return Decision(level, tokens, False, f"{tokens} tokens, below the {kind.upper()} threshold "
-                    f"({threshold}); not merged")
+                    f"({threshold}), not merged")
 
 
 def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
