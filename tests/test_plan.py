@@ -287,3 +287,24 @@ def test_grid_of_and_auto_level():
     assert plan.grid_of(1024, (64, 64), 2) == (2, 32, 32)
     assert plan.auto_max_downsample(ToMeConfig(), [2, 4]) == 2
     assert plan.auto_max_downsample(ToMeConfig(max_downsample=4), [1]) == 4
+
+
+def test_attn1_replaced_after_patching_runs_unmerged(inputs):
+    """SAG's "dynamic" target swaps attn1.forward during sampling, after the patch: that
+    block must then see every token, once, with a warning, and the others still merge."""
+    unet = ldm_unet(TINY_SD15)
+    tome.apply_patch(unet, ratio=0.5)
+    blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    attn = blocks[0].attn1
+    seen = []
+    original = attn.forward
+
+    def recording(x, context=None, mask=None):
+        seen.append(x.shape[1])
+        return original(x, context, mask)
+
+    attn.forward = recording
+    with pytest.warns(UserWarning, match="Self-Attention Guidance"):
+        out = unet(*inputs)
+    tome.remove_patch(unet)
+    assert seen == [32 * 32] and torch.isfinite(out).all()

@@ -297,6 +297,12 @@ class _Hooks:
             plan = plans.get(key)
             if plan is None:
                 return None
+            if "forward" in module.__dict__:  # replaced after patching (SAG's dynamic target)
+                plans.pop(key)                  # this block runs unmerged this time
+                self.state.warn_once(f"ToMe: skipped a block whose {type(module).__name__} "
+                                     "forward another extension replaced (e.g. Self-Attention "
+                                     "Guidance); it needs every token")
+                return None
             hidden = _first(args, kwargs, _X_NAMES, 0)
             return _set_first(args, kwargs, _X_NAMES, plan.merge(hidden))
         return hook
