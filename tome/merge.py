@@ -183,12 +183,10 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     inner = grid[:, 1:-1, 1:-1]
     inner.copy_(metric[:, dst_idx[by_cell]].view(B, hsy, wsx, C))
     inner.div_(inner.norm(dim=-1, keepdim=True))
-    # -inf for neighbours outside the grid; [hsy, wsx, 9]
-    ok = torch.ones(hsy + 2, wsx + 2, dtype=torch.bool, device=dev)
-    ok[0], ok[-1], ok[:, 0], ok[:, -1] = False, False, False, False
-    mask = torch.stack([ok[1 + di:hsy + 1 + di, 1 + dj:wsx + 1 + dj] for di, dj in _OFFSETS], -1)
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev).masked_fill_(~mask,
-                                                                                  -math.inf)
+    # -inf for neighbours outside the grid; [hsy, wsx, 9] in _OFFSETS order (3x3 windows of
+    # a padded grid, unfolded: views, not nine copies).
+    bias = F.pad(torch.zeros(hsy, wsx, device=dev), (1, 1, 1, 1), value=-math.inf)
+    bias = bias.unfold(0, 3, 1).unfold(1, 3, 1).reshape(hsy, wsx, 9)
     best = torch.empty(B, h, w, dtype=torch.float32, device=dev)
     arg = torch.empty(B, h, w, dtype=torch.long, device=dev)
     x = metric.view(B, h, w, C)
@@ -202,8 +200,7 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
         xc = x[:, i0 * sy:i1 * sy, :wm].reshape(B, n, sy, wsx, sx, C).permute(0, 1, 3, 2, 4, 5)
         xc = xc.reshape(B * n * wsx, S, C)
         # The 9 neighbouring destinations of each cell: [B*n*wsx, C, 9]
-        nb = torch.stack([grid[:, i0 + 1 + di:i1 + 1 + di, 1 + dj:wsx + 1 + dj]
-                          for di, dj in _OFFSETS], dim=-1).reshape(B * n * wsx, C, 9)
+        nb = grid[:, i0:i1 + 2].unfold(1, 3, 1).unfold(2, 3, 1).reshape(B * n * wsx, C, 9)
         sc = torch.bmm(xc, nb).view(B, n, wsx, S, 9).float() + bias[i0:i1, :, None]
         m, k = sc.max(dim=-1)                                     # [B, n, wsx, S]
         best[:, i0 * sy:i1 * sy, :wm] = m.view(B, n, wsx, sy, sx).permute(0, 1, 3, 2, 4) \
