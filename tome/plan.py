@@ -98,8 +98,6 @@ class Planner:
 
     def __init__(self, config: ToMeConfig, max_downsample: int):
         self.config, self.max_downsample = config, max_downsample
-        c = config
-        self.matcher = None if c.matching == "global" else c.matching
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (level, tokens, device kind) -> policy.Decision, filled as levels are met.
@@ -162,9 +160,7 @@ class Planner:
             if plan is not None and plan.batch == x.shape[0]:
                 return plan
         src_idx, dst_idx = self.partition(step, h, w, x.device)
-        match = None if self.matcher is None else \
-            merge.matcher(self.matcher, h, w, c.sx, c.sy)
-        plan = merge.Plan(x, src_idx, dst_idx, r, match)
+        plan = merge.Plan(x, src_idx, dst_idx, r, merge.matcher(c.matching, h, w, c.sx, c.sy))
         if c.share == "level":
             step.plans[(h, w, decoder)] = plan
         self._record(ds, N, plan.r)
@@ -179,11 +175,14 @@ class Planner:
         """Shared by every block at this grid size in this call."""
         key = (h, w)
         if key not in step.partitions:
-            if self.config.use_rand:
-                step.partitions[key] = seeded_partition(self.config, step.timestep, h, w, device)
+            c = self.config
+            if c.use_rand:
+                step.partitions[key] = seeded_partition(c, step.timestep, h, w, device)
+            elif torch.compiler.is_compiling():  # part of the graph, no cache to guard on
+                step.partitions[key] = seeded_partition(c, None, h, w, device)
             else:
                 fixed = (h, w, str(device))
                 if fixed not in self.fixed:
-                    self.fixed[fixed] = seeded_partition(self.config, None, h, w, device)
+                    self.fixed[fixed] = seeded_partition(c, None, h, w, device)
                 step.partitions[key] = self.fixed[fixed]
         return step.partitions[key]
