@@ -69,13 +69,13 @@ class PatchReport:
 
 
 class _State:
-    def __init__(self, config: ToMeConfig, report: PatchReport):
+    def __init__(self, config: ToMeConfig, report: PatchReport, decoder: set[nn.Module]):
         self.config, self.report = config, report
+        self.decoder = decoder  # blocks on the UNet's upsampling side
         self.planner = _plan.Planner(config, report.max_downsample)
         # The report shows the planner's live figures.
         report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
         self.handles: list[Any] = []
-        self.decoder: set[nn.Module] = set()  # blocks on the UNet's upsampling side
         self.step: _plan.Step | None = None
         self.warned: set[str] = set()
         # id(block) -> the plan for the block's current call. Kept here, not on the blocks, so
@@ -379,8 +379,7 @@ def apply(model: Any, config: ToMeConfig) -> Any:
                       f"model (its transformer blocks are at downsample {known}); use "
                       f"max_downsample=None (auto) or >= {known[0]}", stacklevel=3)
 
-    state = _State(config, report)
-    state.decoder = decoder_blocks(unet)
+    state = _State(config, report, decoder_blocks(unet))
     hooks = _Hooks(state)
     try:
         h = state.handles
