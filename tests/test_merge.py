@@ -164,3 +164,17 @@ def test_timestep_window(method):
             out = unet(x, t, context=ctx)
             tome.remove_patch(unet)
             assert torch.equal(out, base) != inside, (start, end)
+
+
+def test_float_scan_fallback_where_int64_scans_are_missing(monkeypatch):
+    """MPS before macOS 13.3 cannot scan int64: the merge falls back to a float32 scan."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 16 * 16, 8, generator=g)
+    src, dst = merge.partition(16, 16, 2, 2)
+    exact = merge.Plan(x, src, dst, 128)
+    monkeypatch.setattr(merge, "exact_scan", lambda device: False)
+    approx = merge.Plan(x, src, dst, 128)
+    assert approx.scale == 1.0 and exact.scale == merge.SCALE
+    torch.testing.assert_close(approx.merge(x), exact.merge(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(approx.merge(x, "sum"), exact.merge(x, "sum"), rtol=1e-5,
+                               atol=1e-5)

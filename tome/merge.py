@@ -233,6 +233,22 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
 # exact and independent of the summation order (bit-identical on every device and run), for
 # |x| up to 2**39 / r: far beyond any activation a UNet produces.
 SCALE = float(1 << 24)
+_INT_SCAN: dict[str, bool] = {}
+
+
+def exact_scan(device: torch.device) -> bool:
+    """Whether ``device`` scans int64 (all but MPS before macOS 13.3, which then gets a float32
+    scan: deterministic on one machine, no longer exact). Probed once per device."""
+    if device.type != "mps":
+        return True
+    key = str(device)
+    if key not in _INT_SCAN:
+        try:
+            torch.ones(2, dtype=torch.int64, device=device).cumsum(0)
+            _INT_SCAN[key] = True
+        except (RuntimeError, NotImplementedError):
+            _INT_SCAN[key] = False
+    return _INT_SCAN[key]
 
 
 def _leftovers(h: int, w: int, hm: int, wm: int, device: torch.device) -> torch.Tensor:
@@ -291,7 +307,8 @@ class Plan:
             self.starts = torch.searchsorted(keys, slots)
             count = (self.ends - self.starts + 1).to(torch.float32).view(B, num_dst, 1)
             self.inv_count = count.reciprocal()
-            self.weight = self.inv_count / SCALE
+            self.scale = SCALE if exact_scan(dev) else 1.0
+            self.weight = self.inv_count / self.scale
             # Position of every original token in the merged sequence [kept | dst].
             inverse = torch.empty(B, N, dtype=torch.long, device=dev)
             inverse.scatter_(1, kept_idx, torch.arange(n_kept, device=dev).expand(B, n_kept))
@@ -308,14 +325,16 @@ class Plan:
         out = flat.index_select(0, self.gather_rows).view(B, self.size, C)
         if self.r == 0:
             return out
-        fixed = flat.index_select(0, self.src_rows).to(torch.float32).mul_(SCALE).to(torch.int64)
+        fixed = flat.index_select(0, self.src_rows).to(torch.float32)
+        if self.scale != 1.0:
+            fixed = fixed.mul_(self.scale).to(torch.int64)
         total = fixed.cumsum_(0)
         sums = total.index_select(0, self.ends) - total.index_select(0, self.starts)
         dst = out[:, self.n_kept:]
         if mode == "mean":
             dst.mul_(self.inv_count).addcmul_(sums.view(B, -1, C), self.weight)
         elif mode == "sum":
-            dst.add_(sums.view(B, -1, C), alpha=1 / SCALE)
+            dst.add_(sums.view(B, -1, C), alpha=1 / self.scale)
         else:
             raise ValueError(f"ToMe: unknown merge mode {mode!r}; use 'mean' or 'sum'")
         return out
