@@ -53,6 +53,16 @@ def random_cells(h: int, w: int, sx: int, sy: int, generator: torch.Generator) -
 _M32 = 0xFFFFFFFF
 
 
+def compiling() -> bool:
+    """True while ``torch.compile`` traces: Python-side caches must not be filled then (the graph
+    would guard on them and recompile). ``torch.compiler.is_compiling`` is torch >= 2.3; the
+    WebUI 1.10 ships torch 2.1."""
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
 def _hash32(z: torch.Tensor | int) -> torch.Tensor | int:
     """A 32-bit integer hash (lowbias32's shape, with multipliers below 2**31 so int64 tensor
     arithmetic never overflows): the same bits on CPU, CUDA and MPS, for tensors and ints."""
@@ -124,7 +134,7 @@ def _budget(device: torch.device) -> int:
         return CHUNK_BYTES
     key = str(device)
     if key not in _DEVICE_BUDGET and device.type == "cuda" \
-            and not torch.compiler.is_compiling():
+            and not compiling():
         free, _ = torch.cuda.mem_get_info(device)
         _DEVICE_BUDGET[key] = int(min(max(free // 8, CHUNK_BYTES), 4 << 30))
     return _DEVICE_BUDGET.get(key, max(CHUNK_BYTES, DEVICE_CHUNK_BYTES))

@@ -122,7 +122,7 @@ class Planner:
         return Step(tuple(size), timestep if c.use_rand else None, policy.device_kind(device))
 
     def decision(self, level: int, tokens: int, kind: str) -> policy.Decision:
-        if torch.compiler.is_compiling():  # a dict filled on the first call would recompile
+        if merge.compiling():  # a dict filled on the first call would recompile
             return policy.decide_level(self.config, level, tokens, kind)
         key = (level, tokens, kind)
         if key not in self.decisions:
@@ -168,7 +168,7 @@ class Planner:
 
     def _record(self, ds: int, tokens: int, removed: int) -> None:
         """Report figures, in eager mode only: a compiled graph would guard on the dict."""
-        if not torch.compiler.is_compiling():
+        if not merge.compiling():
             self.tokens[ds] = (tokens, removed)
 
     def partition(self, step: Step, h: int, w: int, device: torch.device):
@@ -178,7 +178,7 @@ class Planner:
             c = self.config
             if c.use_rand:
                 step.partitions[key] = seeded_partition(c, step.timestep, h, w, device)
-            elif torch.compiler.is_compiling():  # part of the graph, no cache to guard on
+            elif merge.compiling():  # part of the graph, no cache to guard on
                 step.partitions[key] = seeded_partition(c, None, h, w, device)
             else:
                 fixed = (h, w, str(device))
