@@ -276,11 +276,11 @@ def test_webui_before_1_10_patches_per_batch_and_before_hires(monkeypatch):
 # ----------------------------------------------------------------------------- the auto policy
 
 def test_auto_policy_says_per_pass_what_it_chose_and_why(webui, capsys):
-    # CPU threshold: 1024 tokens. 128 px -> 16x16 latent (256 tokens); hires x2 -> 1024 tokens.
-    res = webui.generate(tome=on(ratio=0.5), enable_hr=True)
+    # CPU threshold: 4096 tokens. 256 px -> 32x32 latent (1024 tokens); hires x2 -> 4096 tokens.
+    res = webui.generate(tome=on(ratio=0.5), enable_hr=True, width=256, height=256)
     out = capsys.readouterr().out
-    first = "first pass 128x128 px: ds1 256 tokens, below the CPU threshold (1024), not merged"
-    hires = "hires pass 256x256 px: ds1 1024 tokens, at or above the CPU threshold (1024)"
+    first = "first pass 256x256 px: ds1 1024 tokens, below the CPU threshold (4096), not merged"
+    hires = "hires pass 512x512 px: ds1 4096 tokens, at or above the CPU threshold (4096)"
     assert out.count(f"ToMe auto: {first}\n") == 1 and out.count(f"ToMe auto: {hires}\n") == 1
     assert f'ToMe auto: "{first} | {hires}"' in res.info and "ToMe policy: auto" in res.info
     assert {c.config.policy for c in webui.calls} == {"auto"}
@@ -301,13 +301,13 @@ def test_auto_note_for_img2img_and_before_webui_1_10(monkeypatch, capsys):
 
     monkeypatch.delattr(scripts.Script, "process_before_every_sampling")
     webui = WebUI()
-    res = webui.generate(tome=on(), enable_hr=True, width=256, height=128, hr_scale=1.5)
+    res = webui.generate(tome=on(), enable_hr=True, width=256, height=128, hr_scale=4)
     out = capsys.readouterr().out
     assert "ToMe auto: first pass 256x128 px: ds1 512 tokens, below" in out
-    assert "ToMe auto: hires pass 384x192 px: ds1 1152 tokens, at or above" in out
-    assert "hires pass 384x192 px" in res.info
-    res = webui.generate("img2img", tome=on(), width=256, height=256)
-    assert "img2img 256x256 px: ds1 1024 tokens, at or above" in res.info
+    assert "ToMe auto: hires pass 1024x512 px: ds1 8192 tokens, at or above" in out
+    assert "hires pass 1024x512 px" in res.info
+    res = webui.generate("img2img", tome=on(), width=512, height=512)
+    assert "img2img 512x512 px: ds1 4096 tokens, at or above" in res.info
 
 
 def test_auto_decision_uses_the_device_the_pass_runs_on(webui, monkeypatch):

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from .config import ToMeConfig
 
 # Smallest token count at a level for which merging is faster than not merging, per device
-# kind and method. CPU: tome.bench on an AMD EPYC core (merge 0.5 1.11x, ToDo x2 1.12x at
-# 1024 tokens; nothing below 0.99x). CUDA: H100, fp16, SDPA, batch 2 (ToDo x2 1.01x and merge
-# 0.5 0.82-0.91x at 4096 tokens; 1.25x and 1.01-1.08x at 16384). MPS: not measured; Apple GPUs
-# have far less attention throughput than an H100, so merging pays earlier: an estimate
-# between the two, to be replaced by a measurement.
+# kind and method. CPU: tome.bench on an AMD EPYC core, fp32 (AVX2): at 1024 tokens (256 px)
+# merge 0.5 0.96x, ToDo x2 0.94x, tomesd 0.95x; at 4096 tokens (512 px) merge 1.13x, ToDo x2
+# 1.20x (in bf16, on CPUs that have it, 1024 tokens already paid: 1.08-1.11x). CUDA: H100,
+# fp16, SDPA, batch 2: at 4096 tokens ToDo x2 1.01x and merge 0.5 0.82-0.91x; at 16384 1.25x
+# and 1.01-1.08x. MPS: not measured; Apple GPUs have far less attention throughput than an
+# H100, so merging pays earlier there: the CPU's figure as an estimate, to be measured.
 THRESHOLDS: dict[str, dict[str, int]] = {
-    "cpu": {"merge": 1024, "downsample": 1024},
+    "cpu": {"merge": 4096, "downsample": 4096},
     "cuda": {"merge": 16384, "downsample": 16384},
     "mps": {"merge": 4096, "downsample": 4096},
 }
