@@ -16,17 +16,25 @@ from tome.config import ToMeConfig
 
 
 class Patcher:
-    """Forge's UnetPatcher as the contract describes it: clones share the model."""
+    """Forge's UnetPatcher as the contract describes it: clones share the model; attn1
+    replacements live in ``model_options["transformer_options"]["patches_replace"]``."""
 
     def __init__(self, diffusion_model):
         self.model = torch.nn.Module()
         self.model.diffusion_model = diffusion_model
         self.patches = {"attn1_patch": [], "attn1_output_patch": []}
+        self.model_options = {"transformer_options": {}}
 
     def clone(self):
         c = copy.copy(self)
         c.patches = {k: list(v) for k, v in self.patches.items()}
+        c.model_options = copy.deepcopy(self.model_options)
         return c
+
+    def set_model_attn1_replace(self, fn, block_name, number, index):
+        to = self.model_options["transformer_options"]
+        to.setdefault("patches_replace", {}).setdefault("attn1", {})[
+            (block_name, number, index)] = fn
 
     def set_model_attn1_patch(self, fn):
         self.patches["attn1_patch"].append(fn)
@@ -35,16 +43,18 @@ class Patcher:
         self.patches["attn1_output_patch"].append(fn)
 
 
-def self_attention_block(patcher, x, shape, sigma=1.0, cross=None, block=("input", 1), index=0,
-                         replace=None):
-    """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention)."""
+def self_attention_block(patcher, x, shape, sigma=1.0, cross=None, block=("input", 1), index=0):
+    """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention or its
+    replacement). As in Forge, ``patches_replace`` is not among the patches' ``extra``."""
     n = F.layer_norm(x, x.shape[-1:])
     k = v = n if cross is None else cross
     extra = {"original_shape": list(shape), "sigmas": torch.tensor([sigma]), "block": block,
-             "block_index": index, "patches_replace": {"attn1": replace or {}}}
+             "block_index": index}
     for p in patcher.patches["attn1_patch"]:
         n, k, v = p(n, k, v, extra)
-    out = F.scaled_dot_product_attention(n, k, v)
+    replace = patcher.model_options["transformer_options"].get("patches_replace", {})
+    attention = replace.get("attn1", {}).get((*block, index))
+    out = attention(n, k, v, extra) if attention else F.scaled_dot_product_attention(n, k, v)
     for p in patcher.patches["attn1_output_patch"]:
         out = p(out, extra)
     return x + out
@@ -103,14 +113,26 @@ def test_idempotent_inactive_and_seeded(patcher):
 
 def test_blocks_whose_attn1_another_patch_replaces_are_left_alone(patcher):
     """Forge's Self-Attention Guidance replaces the middle block's attn1 to record its full
-    attention map; with max_downsample 8 merging there failed inside SAG (forge-check)."""
-    unet, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
-    x = torch.randn(2, 4 * 4, 8)  # the middle block of a 32x32 latent (ds8)
-    sag = {("middle", 0, 0): object()}
+    attention map, on a clone of our patcher made after us; with max_downsample 8 merging
+    there failed inside SAG (real Forge: HTTP 500 in create_blur_map)."""
+    host = {}
+    ours, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8),
+                                   lambda: host["unet"])
+    seen = []
+
+    def sag_attention(q, k, v, extra):  # records the map, so it needs every token
+        seen.append(q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v)
+
+    sag = ours.clone()
+    sag.set_model_attn1_replace(sag_attention, "middle", 0, 0)
+    host["unet"] = sag                    # what the WebUI samples with: SAG's clone
+    x = torch.randn(2, 4 * 4, 8)          # the middle block of a 32x32 latent (ds8)
     base = self_attention_block(Patcher(None), x, (2, 4, 32, 32), block=("middle", 0))
-    out = self_attention_block(unet, x, (2, 4, 32, 32), block=("middle", 0), replace=sag)
-    assert torch.equal(out, base)
+    out = self_attention_block(sag, x, (2, 4, 32, 32), block=("middle", 0))
+    assert seen == [16] and torch.equal(out, base)
     assert patch.skipped == [(("middle", 0, 0), "attn1 replaced by another patch (e.g. "
                                                 "Self-Attention Guidance)")]
-    merged = self_attention_block(unet, x, (2, 4, 32, 32), block=("middle", 0))
-    assert not torch.equal(merged, base)  # without the replacement the block merges
+    host["unet"] = ours                   # without SAG the middle block merges
+    merged = self_attention_block(ours, x, (2, 4, 32, 32), block=("middle", 0))
+    assert not torch.equal(merged, base)

@@ -14,6 +14,7 @@ Differences from the hook-based patch, both forced by what the patcher exposes:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,8 +34,12 @@ class ForgePatch:
     the device: the partition is hashed from it there).
     """
 
-    def __init__(self, config: ToMeConfig, max_downsample: int):
+    def __init__(self, config: ToMeConfig, max_downsample: int,
+                 replacements: Callable[[], Mapping] | None = None):
         self.config, self.max_downsample = config, max_downsample
+        # The attn1 replacements of the patcher that samples (Forge keeps ``patches_replace``
+        # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
+        self.replacements = replacements or (lambda: {})
         self.planner = Planner(config, max_downsample)
         self.tokens = self.planner.tokens
         self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
@@ -52,7 +57,7 @@ class ForgePatch:
     def _replaced(self, block: Any, extra: dict) -> bool:
         """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
         block's attention map this way): it must see every token, so leave the block alone."""
-        replace = (extra.get("patches_replace") or {}).get("attn1") or {}
+        replace = (extra.get("patches_replace") or {}).get("attn1") or self.replacements()
         if block not in replace:
             return False
         if not any(b == block for b, _ in self.skipped):
@@ -91,9 +96,21 @@ class ForgePatch:
         return n if plan is None else plan.unmerge(n)
 
 
-def patch_unet(unet_patcher: Any, config: ToMeConfig) -> tuple[Any, ForgePatch | None]:
+def attn1_replacements(unet_patcher: Any) -> Mapping:
+    """``{(block, number, index): fn}``: the attn1 replacements a patcher carries."""
+    options = getattr(unet_patcher, "model_options", None) or {}
+    return ((options.get("transformer_options") or {}).get("patches_replace") or {}).get(
+        "attn1") or {}
+
+
+def patch_unet(unet_patcher: Any, config: ToMeConfig,
+               sampling_patcher: Callable[[], Any] | None = None
+               ) -> tuple[Any, ForgePatch | None]:
     """A clone of Forge's ``UnetPatcher`` carrying the ToMe patches, and the patch object.
 
+    ``sampling_patcher`` returns the patcher that will actually sample (a host's current
+    ``forge_objects.unet``: extensions that run after us clone ours and add their own patches);
+    blocks whose attn1 it replaces are left alone. Without it, our clone's are used.
     Idempotent: Forge may call ``process_before_every_sampling`` twice for one pass, and a
     patcher that already carries our patches is returned unchanged.
     """
@@ -104,8 +121,10 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig) -> tuple[Any, ForgePatch |
     diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
     known = sorted({d for d in block_levels(diffusion_model).values() if d > 0}) \
         if diffusion_model is not None else []
-    patch = ForgePatch(config, auto_max_downsample(config, known))
     unet = unet_patcher.clone()
+    current = sampling_patcher or (lambda: unet)
+    patch = ForgePatch(config, auto_max_downsample(config, known),
+                       lambda: attn1_replacements(current()))
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)
     setattr(unet, MARK, patch)

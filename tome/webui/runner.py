@@ -371,7 +371,7 @@ def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
     from .. import forge
     original = model.forge_objects.unet
     try:
-        unet, patch = forge.patch_unet(original, cfg)
+        unet, patch = forge.patch_unet(original, cfg, lambda: model.forge_objects.unet)
     except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
         _skip(p, gen, f"patching failed ({type(e).__name__}: {e})")
         return
