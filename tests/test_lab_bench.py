@@ -1,5 +1,5 @@
 """The benchmark's plumbing on tiny real UNets: settings, device and dtype choice, the ceiling,
-the run loop, tables (the real measurements are in docs/benchmark.md)."""
+the run loop, tables (the real measurements are in docs/speed.md)."""
 
 from __future__ import annotations
 
