@@ -34,12 +34,13 @@ class ForgePatch:
     the device: the partition is hashed from it there).
     """
 
-    def __init__(self, config: ToMeConfig, max_downsample: int,
-                 replacements: Callable[[], Mapping] | None = None):
+    def __init__(self, config: ToMeConfig, max_downsample: int, levels: list[int],
+                 replacements: Callable[[], Mapping]):
         self.config, self.max_downsample = config, max_downsample
+        self.levels = levels  # the UNet levels with transformer blocks that may be merged
         # The attn1 replacements of the patcher that samples (Forge keeps ``patches_replace``
         # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
-        self.replacements = replacements or (lambda: {})
+        self.replacements = replacements
         self.planner = Planner(config, max_downsample)
         self.tokens = self.planner.tokens
         self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
@@ -121,9 +122,10 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
     known = sorted({d for d in block_levels(diffusion_model).values() if d > 0}) \
         if diffusion_model is not None else []
+    max_ds = auto_max_downsample(config, known)
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)
-    patch = ForgePatch(config, auto_max_downsample(config, known),
+    patch = ForgePatch(config, max_ds, [d for d in known if d <= max_ds],
                        lambda: attn1_replacements(current()))
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)

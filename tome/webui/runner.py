@@ -328,16 +328,6 @@ def _note_forge_skips(p: Any, gen: Generation) -> None:
         _note_skipped(p, gen, skipped)
 
 
-def _forge_levels(unet_patcher: Any, patch: Any) -> list[int]:
-    """The UNet levels a Forge patch covers."""
-    levels = getattr(patch, "levels", None)
-    if levels:
-        return sorted(levels)
-    unet = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
-    known = _patch.block_levels(unet).values() if unet is not None else ()
-    return sorted({d for d in known if 0 < d <= patch.max_downsample})
-
-
 def _unpatch(model: Any) -> None:
     _patched.discard(model)
     try:
@@ -386,7 +376,7 @@ def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
             else f"downsample x{cfg.downsample_factor}"
         print(f"ToMe: Forge UNet (attn1 patch), {gen.describe_passes()}; {what} at downsample "
               f"<= {patch.max_downsample}; seed {cfg.seed}")
-    _auto_note(p, gen, name, cfg, _forge_levels(original, patch), x, model)
+    _auto_note(p, gen, name, cfg, patch.levels, x, model)
 
 
 def _skip(p: Any, gen: Generation, reason: str) -> None:
