@@ -15,7 +15,8 @@ from models import TINY_SD15, diffusers_unet, ldm_inputs, ldm_unet
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import merge, plan, policy
+from tome import merge, methods, plan, policy
+from tome.unet import auto_level
 from tome.config import ToMeConfig
 
 # Ops that accumulate with atomics on CUDA (non-deterministic, see the PyTorch docs of
@@ -173,7 +174,7 @@ def test_compiles_fullgraph_without_recompiling_per_timestep(sd15, inputs):
 
 def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
     # CPU threshold: 4096 tokens. A 16x16 latent has 256 tokens at full resolution.
-    assert policy.THRESHOLDS["cpu"]["merge"] == 4096
+    assert methods.get("merge").thresholds["cpu"] == 4096
     small = ldm_inputs(2, 16, 16)
     base = sd15(*small)
     tome.apply_patch(sd15, ratio=0.5, policy="auto")
@@ -285,8 +286,8 @@ def test_grid_of_and_auto_level():
     assert plan.grid_of(4096, (64, 64), 1) == (1, 64, 64)
     assert plan.grid_of(1024, (64, 64), 1) is None
     assert plan.grid_of(1024, (64, 64), 2) == (2, 32, 32)
-    assert plan.auto_max_downsample(ToMeConfig(), [2, 4]) == 2
-    assert plan.auto_max_downsample(ToMeConfig(max_downsample=4), [1]) == 4
+    assert auto_level(None, [2, 4]) == 2
+    assert auto_level(4, [1]) == 4
 
 
 def test_attn1_replaced_after_patching_runs_unmerged(inputs):

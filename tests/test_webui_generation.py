@@ -350,7 +350,7 @@ def test_arguments_are_parsed_once_and_each_pass_derived_once(webui, monkeypatch
 def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys, recwarn):
     """The A1111 SAG extension replaces the middle block's attn1.forward on the instance to
     record its attention map, which needs every token."""
-    from tome.patch import block_levels
+    from tome.unet import block_levels
 
     unet = shared.sd_model.model.diffusion_model
     middle = next(b for b, ds in block_levels(unet).items() if ds == 8)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import patch as _patch
 from .config import PRESETS, ToMeConfig, preset
-from .patch import PatchReport, UnsupportedModelError, find_unet, remove_tomesd, state_of
-from .patch import apply as _apply
-from .patch import remove as _remove
+from .patch import PatchReport, remove_tomesd
+from .unet import UnsupportedModelError, find_unet
 
 __version__ = "0.1.0"
 __all__ = ["ToMeConfig", "PRESETS", "preset", "PatchReport", "UnsupportedModelError",
@@ -48,19 +48,19 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
                             merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, **extra)
     elif extra:
         config = config.replace(**extra)
-    return _apply(model, config)
+    return _patch.apply(model, config)
 
 
 def remove_patch(model: Any) -> Any:
     """Remove the patch; the model's outputs are then bit-identical to the unpatched model."""
-    return _remove(model)
+    return _patch.remove(model)
 
 
 def is_patched(model: Any) -> bool:
-    return state_of(model) is not None
+    return _patch.state_of(model) is not None
 
 
 def patch_report(model: Any) -> PatchReport | None:
     """What the current patch covers (family, blocks per level, skipped blocks), or None."""
-    state = state_of(model)
+    state = _patch.state_of(model)
     return None if state is None else state.report

@@ -12,13 +12,35 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("merge", "downsample")
+# The reduction methods' names. ``methods.register`` adds to it: read it as ``config.METHODS``
+# at the time of use, never copied at import.
+METHODS: tuple[str, ...] = ("merge", "downsample")
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
 POLICIES = ("fixed", "auto")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 # "auto" in the UI / API; None in the library.
 AUTO = "auto"
+
+
+MAX_STRIDE = 8
+RATIO_RULE = "1 - 1/(sx*sy) (0.75 for a 2x2 stride)"
+
+
+def ratio_limit(sx: int, sy: int) -> float:
+    """The real maximum ratio: every cell keeps one destination, so at most 1 - 1/(sx*sy) of the
+    tokens merge. The one place this rule lives."""
+    return 1.0 - 1.0 / (sx * sy)
+
+
+def check_ratio(name: str, value: Any, sx: int, sy: int, note: str = "") -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a ratio a ``sx x sy`` stride
+    allows."""
+    top = ratio_limit(sx, sy)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0.0 <= value <= top + 1e-9:
+        raise ValueError(f"ToMe: invalid {name}={value!r}: must be in [0, {top:g}] for a "
+                         f"{sx}x{sy} stride (1 - 1/(sx*sy)){note}")
 
 
 def _meta(label: str, infotext: str, help: str, **kw: Any) -> dict[str, Any]:
@@ -32,7 +54,7 @@ class ToMeConfig:
     ratio: float = field(default=0.5, metadata=_meta(
         "Ratio", "ToMe ratio",
         "Fraction of tokens merged in each patched block. Higher is faster and changes the image "
-        "more; the maximum is 1 - 1/(sx*sy) (0.75 for a 2x2 stride).", minimum=0.0, step=0.01))
+        f"more; the maximum is {RATIO_RULE}.", minimum=0.0, step=0.01))
     max_downsample: int | None = field(default=None, metadata=_meta(
         "Max downsample", "ToMe max downsample",
         "Deepest UNet level merged (1 = full resolution only, 2, 4, 8). Auto picks the "
@@ -62,7 +84,7 @@ class ToMeConfig:
         "Method", "ToMe method",
         "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every "
         "token, keys and values are pooled by the downsample factor; no unmerge).",
-        choices=METHODS))
+        choices=METHODS))  # the built-in ones; ``choices("method")`` has every registered one
     downsample_factor: int = field(default=2, metadata=_meta(
         "Downsample factor", "ToMe downsample factor",
         "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
@@ -101,18 +123,17 @@ class ToMeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 fail(name, "must be a positive integer")
-        if self.sx * self.sy < 2 and self.method == "merge" and self.ratio > 0:
-            fail("sx", "stride 1x1 leaves no source tokens to merge; use sx*sy >= 2")
+        if self.method not in METHODS:
+            fail("method", f"must be one of {METHODS}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
                 or not math.isfinite(self.ratio):
             fail("ratio", "must be a number")
-        if not 0.0 <= self.ratio <= self.max_ratio + 1e-9:
-            fail("ratio", f"must be in [0, {self.max_ratio:g}] for a {self.sx}x{self.sy} stride "
-                 f"(1 - 1/(sx*sy))")
+        problem = _method(self.method).problem(self)
+        if problem:
+            fail(*problem)
+        check_ratio("ratio", self.ratio, self.sx, self.sy)
         if self.max_downsample is not None and self.max_downsample not in MAX_DOWNSAMPLES:
             fail("max_downsample", f"must be one of {MAX_DOWNSAMPLES} or None (auto)")
-        if self.method not in METHODS:
-            fail("method", f"must be one of {METHODS}")
         if self.matching not in MATCHINGS:
             fail("matching", f"must be one of {MATCHINGS}")
         if self.share not in SHARES:
@@ -133,23 +154,15 @@ class ToMeConfig:
 
     @property
     def max_ratio(self) -> float:
-        """The real maximum: every cell keeps one destination, so at most 1 - 1/(sx*sy) merge."""
-        return 1.0 - 1.0 / (self.sx * self.sy)
+        return ratio_limit(self.sx, self.sy)
 
     @property
     def active(self) -> bool:
         """False when the settings cannot change the model's output."""
-        if self.start >= self.end:
-            return False
-        if self.method == "downsample":
-            return self.downsample_factor > 1
-        return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
+        return self.start < self.end and _method(self.method).active(self)
 
     def replace(self, **changes: Any) -> ToMeConfig:
         return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: ToMeConfig | None = None) -> ToMeConfig:
@@ -159,12 +172,28 @@ class ToMeConfig:
         keys keep ``base``'s values (the defaults when ``base`` is None).
         """
         base = base or cls()
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = FIELDS
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"ToMe: unknown setting(s) {unknown}; known: {sorted(known)}")
         values = {k: coerce(known[k], v) for k, v in data.items()}
         return dataclasses.replace(base, **values)
+
+
+#: Every setting's field (name -> ``dataclasses.Field``): its metadata drives UI, API, infotext.
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(ToMeConfig)}
+
+
+def _method(name: str) -> Any:
+    """The method object of ``name``. Imported late: the config stays importable without torch,
+    and each method's own rules stay in ``methods.py``."""
+    from .methods import get
+    return get(name)
+
+
+def choices(name: str) -> tuple:
+    """The allowed values of a field with choices; ``method`` includes registered methods."""
+    return METHODS if name == "method" else FIELDS[name].metadata["choices"]
 
 
 def coerce(f: dataclasses.Field, value: Any) -> Any:
@@ -213,11 +242,11 @@ def _to_int(value: Any) -> int:
 def describe(f: dataclasses.Field) -> str:
     m = f.metadata
     if "choices" in m:
-        return "one of " + ", ".join(map(str, m["choices"]))
+        return "one of " + ", ".join(map(str, choices(f.name)))
     if isinstance(f.default, bool):
         return "true or false"
     if f.name == "ratio":
-        return "a number in [0, 1 - 1/(sx*sy)] (0.75 for a 2x2 stride)"
+        return f"a number in [0, {RATIO_RULE}]"
     if "minimum" in m:
         hi = m.get("maximum", "max")
         kind = "an integer" if isinstance(f.default, int) else "a number"

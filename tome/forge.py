@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .config import ToMeConfig
-from .patch import block_levels
-from .plan import DownsamplePlan, Planner, Step, auto_max_downsample
+from .plan import Call, Planner
+from .unet import auto_level, known_levels
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
 
@@ -42,18 +42,19 @@ class ForgePatch:
         # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
         self.replacements = replacements
         self.planner = Planner(config, max_downsample)
+        self.method = self.planner.method
         self.tokens = self.planner.tokens
         self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
-        self.plan: Any = None  # the merge plan of the block between attn1 and its output
+        self.plan: Any = None  # the plan of the block between attn1 and its output
         self.first: Any = None
-        self.step: Step | None = None
+        self.call: Call | None = None
 
     def _begin(self, block: Any, n: torch.Tensor, extra: dict) -> None:
         if self.first is None:
             self.first = block
-        if block == self.first or self.step is None:
+        if block == self.first or self.call is None:
             size = tuple(extra["original_shape"][-2:])
-            self.step = self.planner.step(size, n.device, extra.get("sigmas"))
+            self.call = self.planner.begin(size, n.device, extra.get("sigmas"))
 
     def _replaced(self, block: Any, extra: dict) -> bool:
         """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
@@ -72,29 +73,27 @@ class ForgePatch:
             return n, k, v
         block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
         self._begin(block, n, extra)
-        if self.step is None or self._replaced(block, extra):
+        if self.call is None or self._replaced(block, extra):
             return n, k, v
         self_attention = k is n and v is n
-        c = self.config
-        if c.method == "downsample" and not self_attention:
+        if "attn1" not in self.method.sub_layers(self.config) \
+                or (self.method.self_attention_only and not self_attention):
             return n, k, v
-        if c.method == "merge" and not c.merge_attn:
-            return n, k, v
-        plan = self.planner.plan(self.step, n, decoder=block[0] == "output")
+        plan = self.planner.plan(self.call, n, decoder=block[0] == "output")
         if plan is None:
             return n, k, v
-        if isinstance(plan, DownsamplePlan):
-            kv = plan.kv(n)
-            return n, kv, kv
-        self.plan = plan
-        merged = plan.merge(n)
-        # Self-attention: keys and values are ``n`` too, so they merge the same way. A
-        # cross-attention attn1 (disable_self_attn) keeps its context: only queries merge.
-        return (merged, merged, merged) if self_attention else (merged, k, v)
+        queries, kv = self.method.reduce(plan, n)
+        if self.method.unmerges:
+            self.plan = plan
+        if kv is None:
+            # Self-attention: keys and values are ``n`` too, so they reduce the same way. A
+            # cross-attention attn1 (disable_self_attn) keeps its context: only queries change.
+            return (queries, queries, queries) if self_attention else (queries, k, v)
+        return queries, kv, kv
 
     def attn1_output(self, n: torch.Tensor, extra: dict) -> torch.Tensor:
         plan, self.plan = self.plan, None
-        return n if plan is None else plan.unmerge(n)
+        return n if plan is None else self.method.restore(plan, n)
 
 
 def attn1_replacements(unet_patcher: Any) -> Mapping:
@@ -120,9 +119,8 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     if not config.active:
         return unet_patcher, None
     diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
-    known = sorted({d for d in block_levels(diffusion_model).values() if d > 0}) \
-        if diffusion_model is not None else []
-    max_ds = auto_max_downsample(config, known)
+    known = known_levels(diffusion_model)
+    max_ds = auto_level(config.max_downsample, known)
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)
     patch = ForgePatch(config, max_ds, [d for d in known if d <= max_ds],

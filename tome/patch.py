@@ -8,10 +8,12 @@ WebUI (which replace ``CrossAttention.forward`` at class level) and ``_forward``
 keep working, and removal is exact: the hooks go, one attribute on the UNet goes, and no
 class or weight was ever touched.
 
-Per UNet call a pre-hook on the UNet starts a ``plan.Step`` (latent size, timestep); the
+Per UNet call a pre-hook on the UNet starts a ``plan.Call`` (latent size, timestep); the
 block pre-hook asks the shared ``plan.Planner`` for the block's plan, and the sub-layer hooks
-apply it. Which blocks merge, how destinations are drawn and when matching runs are decided
-in ``plan.py``, shared with the Forge adapter.
+apply it through the method (``methods.py``: which sub-layers, what they receive, whether
+their output is restored). Which blocks merge, how destinations are drawn and when matching
+runs are decided in ``plan.py``, shared with the Forge adapter; the UNet's structure is read
+in ``unet.py``.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
+from .unet import (BLOCK_CLASS, UnsupportedModelError, auto_level, block_levels,
+                   decoder_blocks, family, find_unet, is_block)
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
-BLOCK_CLASS = "BasicTransformerBlock"
-
-
-class UnsupportedModelError(TypeError):
-    """The object is not a model this library can patch."""
 
 
 @dataclass
@@ -54,15 +54,19 @@ class PatchReport:
     def patched_blocks(self) -> int:
         return sum(self.levels.values())
 
-    def summary(self) -> str:
-        c = self.config
-        what = (f"merge ratio {c.ratio:g}" if c.method == "merge"
-                else f"downsample x{c.downsample_factor}")
+    def coverage(self) -> str:
+        """``5/16 blocks patched at downsample <= 1 (ds1: 5)``, plus the step window."""
         levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
-        text = (f"ToMe: {self.family} UNet, {what} at downsample <= {self.max_downsample}: "
-                f"{self.patched_blocks}/{self.total_blocks} blocks patched ({levels})")
+        text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
+                f"{self.max_downsample} ({levels})")
+        c = self.config
         if c.start > 0 or c.end < 1:
             text += f", steps {c.start:g}-{c.end:g}"
+        return text
+
+    def summary(self) -> str:
+        text = (f"ToMe: {self.family} UNet, {methods.get(self.config.method).describe(self.config)}"
+                f"; {self.coverage()}")
         if self.skipped:
             text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
         return text
@@ -76,7 +80,7 @@ class _State:
         # The report shows the planner's live figures.
         report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
         self.handles: list[Any] = []
-        self.step: _plan.Step | None = None
+        self.call: _plan.Call | None = None
         self.warned: set[str] = set()
         # id(block) -> the plan for the block's current call. Kept here, not on the blocks, so
         # removal leaves nothing behind.
@@ -88,103 +92,19 @@ class _State:
             warnings.warn(msg, stacklevel=3)
 
 
-# ----------------------------------------------------------------------------- finding things
+# ----------------------------------------------------------------------------- blocks
 
-def find_unet(model: Any) -> nn.Module:
-    """The UNet of an ldm/sgm model, a diffusers pipeline, or a bare UNet."""
-    for path in ("unet", "model.diffusion_model", "diffusion_model"):
-        obj = model
-        for name in path.split("."):
-            obj = getattr(obj, name, None)
-        if isinstance(obj, nn.Module):
-            return obj
-    if isinstance(model, nn.Module) and (hasattr(model, "input_blocks")
-                                         or hasattr(model, "down_blocks")):
-        return model
-    raise UnsupportedModelError(
-        f"ToMe: cannot find a UNet in {type(model).__module__}.{type(model).__name__}; expected "
-        "an ldm/sgm model (with .model.diffusion_model), a UNet (ldm UNetModel or diffusers "
-        "UNet2DConditionModel) or a diffusers pipeline (with .unet)")
-
-
-def _is_block(module: nn.Module) -> bool:
-    return any(cls.__name__ == BLOCK_CLASS for cls in type(module).__mro__)
-
-
-def _family(module: nn.Module) -> str:
-    root = type(module).__module__.split(".")[0]
-    return root if root in ("ldm", "sgm", "diffusers") else root or "unknown"
-
-
-def block_levels(unet: nn.Module) -> dict[nn.Module, int]:
-    """The downsample level of every transformer block, read from the UNet's structure.
-
-    ldm/sgm: walk ``input_blocks`` / ``middle_block`` / ``output_blocks`` counting Downsample
-    and Upsample layers. diffusers: level ``2**i`` for ``down_blocks[i]``, mirrored for
-    ``up_blocks``. Anything else: level unknown (0); the runtime still decides per token count.
-    """
-    levels: dict[nn.Module, int] = {}
-
-    def mark(part: nn.Module, ds: int) -> None:
-        for m in part.modules():
-            if _is_block(m):
-                levels.setdefault(m, ds)
-
-    def has(part: nn.Module, name: str) -> bool:
-        return any(type(m).__name__ == name for m in part.modules())
-
-    if hasattr(unet, "input_blocks") and hasattr(unet, "output_blocks"):
-        ds = 1
-        for part in unet.input_blocks:
-            if has(part, "Downsample"):
-                ds *= 2
-            mark(part, ds)
-        mark(unet.middle_block, ds)
-        for part in unet.output_blocks:
-            mark(part, ds)
-            if has(part, "Upsample"):
-                ds //= 2
-    elif hasattr(unet, "down_blocks") and hasattr(unet, "up_blocks"):
-        n = len(unet.down_blocks)
-        for i, part in enumerate(unet.down_blocks):
-            mark(part, 2 ** i)
-        if getattr(unet, "mid_block", None) is not None:
-            mark(unet.mid_block, 2 ** (n - 1))
-        for i, part in enumerate(unet.up_blocks):
-            mark(part, 2 ** (n - 1 - i))
-    for m in unet.modules():
-        if _is_block(m):
-            levels.setdefault(m, 0)
-    return levels
-
-
-def decoder_blocks(unet: nn.Module) -> set[nn.Module]:
-    """The transformer blocks on the upsampling side (ldm/sgm ``output_blocks``, diffusers
-    ``up_blocks``)."""
-    side = getattr(unet, "output_blocks", None) or getattr(unet, "up_blocks", None) or []
-    return {m for part in side for m in part.modules() if _is_block(m)}
-
-
-def _sub_layers(config: ToMeConfig) -> tuple[str, ...]:
-    """The block's sub-layers that get hooks: ``attn1`` for the downsample method (its keys and
-    values are pooled), otherwise every sub-layer that runs on merged tokens."""
-    if config.method == "downsample":
-        return ("attn1",)
-    merged = {"attn1": config.merge_attn, "attn2": config.merge_crossattn, "ff": config.merge_mlp}
-    return tuple(name for name, on in merged.items() if on)
-
-
-def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
+def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method) -> str | None:
     """Why a block cannot be patched safely, or None."""
     if "_forward" in vars(block) or "forward" in vars(block):
         return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
     if type(block).__name__ == "ToMeBlock":
         return "patched by tomesd"
-    missing = [n for n in _sub_layers(config)
-               if not isinstance(getattr(block, n, None), nn.Module)]
+    subs = method.sub_layers(config)
+    missing = [n for n in subs if not isinstance(getattr(block, n, None), nn.Module)]
     if missing:
         return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
-    for name in _sub_layers(config):
+    for name in subs:
         sub = getattr(block, name)
         # Another patch reads or replaces this sub-layer's full token sequence (Self-Attention
         # Guidance records attn1's attention map in the middle block): merging would change
@@ -194,12 +114,7 @@ def _block_problem(block: nn.Module, config: ToMeConfig) -> str | None:
                     "Self-Attention Guidance)")
         if sub._forward_hooks or sub._forward_pre_hooks:
             return f"{name} is observed by another patch's hooks"
-    if config.method == "downsample" and (getattr(block, "disable_self_attn", False)
-                                          or getattr(block, "only_cross_attention", False)):
-        return "attn1 is a cross-attention; downsampling its keys would drop the context"
-    if config.merge_mlp and getattr(block, "_chunk_size", None):
-        return "feed-forward chunking is on; merging the MLP input would mix chunks"
-    return None
+    return method.refuse(block, config)
 
 
 # ----------------------------------------------------------------------------- tomesd
@@ -254,26 +169,27 @@ _T_NAMES = ("timesteps", "timestep", "t")
 
 class _Hooks:
     """The hook functions for one patched UNet, closing over its state. Each hook does one
-    thing whatever the method: the method chose which hooks were registered."""
+    thing; the method says what a sub-layer receives and whether its output is restored."""
 
     def __init__(self, state: _State):
         self.state = state
+        self.method = state.planner.method
 
     # UNet ---------------------------------------------------------------
     def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = _first(args, kwargs, _X_NAMES, 0)
         t = _first(args, kwargs, _T_NAMES, 1)
-        self.state.step = self.state.planner.step(tuple(x.shape[-2:]), x.device, t) \
+        self.state.call = self.state.planner.begin(tuple(x.shape[-2:]), x.device, t) \
             if isinstance(x, torch.Tensor) else None
 
     def unet_post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        self.state.step = None
+        self.state.call = None
 
     # Block --------------------------------------------------------------
     def block_pre(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
         st = self.state
         st.plans.pop(id(block), None)
-        if st.step is None:
+        if st.call is None:
             return
         if type(block).__name__ == "ToMeBlock":  # tomesd re-patched it behind our back
             st.warn_once("ToMe: a block was patched by tomesd after ours; skipping it so it is "
@@ -281,7 +197,7 @@ class _Hooks:
             return
         x = _first(args, kwargs, _X_NAMES, 0)
         if isinstance(x, torch.Tensor) and x.dim() == 3:
-            plan = st.planner.plan(st.step, x, block in st.decoder)
+            plan = st.planner.plan(st.call, x, block in st.decoder)
             if plan is not None:
                 st.plans[id(block)] = plan
 
@@ -289,9 +205,12 @@ class _Hooks:
         self.state.plans.pop(id(block), None)
 
     # Sub-layers ---------------------------------------------------------
-    def merge_pre(self, block: nn.Module):
-        """Merge the sub-layer's input."""
-        plans, key = self.state.plans, id(block)
+    def reduce(self, block: nn.Module):
+        """Give the sub-layer what the method says: merged hidden states, pooled keys and
+        values in its context keyword (ldm/sgm ``context``, diffusers
+        ``encoder_hidden_states``)."""
+        plans, key, method = self.state.plans, id(block), self.method
+        kv_name = "context" if family(block) in ("ldm", "sgm") else "encoder_hidden_states"
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             plan = plans.get(key)
@@ -304,33 +223,23 @@ class _Hooks:
                                      "Guidance); it needs every token")
                 return None
             hidden = _first(args, kwargs, _X_NAMES, 0)
-            return _set_first(args, kwargs, _X_NAMES, plan.merge(hidden))
+            queries, kv = method.reduce(plan, hidden)
+            if queries is not hidden:
+                args, kwargs = _set_first(args, kwargs, _X_NAMES, queries)
+            return (args, kwargs) if kv is None else (args, {**kwargs, kv_name: kv})
         return hook
 
-    def unmerge_post(self, block: nn.Module):
-        """Unmerge the sub-layer's output."""
-        plans, key = self.state.plans, id(block)
+    def restore(self, block: nn.Module):
+        """Restore the sub-layer's output (unmerge)."""
+        plans, key, method = self.state.plans, id(block), self.method
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any):
             plan = plans.get(key)
             if plan is None:
                 return None
             if isinstance(out, tuple):  # some attention processors return (hidden, extra)
-                return (plan.unmerge(out[0]), *out[1:])
-            return plan.unmerge(out)
-        return hook
-
-    def downsample_pre(self, block: nn.Module):
-        """Give ``attn1`` pooled keys and values. The keyword that carries them: ldm/sgm
-        ``context``, diffusers ``encoder_hidden_states``."""
-        plans, key = self.state.plans, id(block)
-        kv_name = "context" if _family(block) in ("ldm", "sgm") else "encoder_hidden_states"
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict):
-            plan = plans.get(key)
-            if plan is None:
-                return None
-            return args, {**kwargs, kv_name: plan.kv(_first(args, kwargs, _X_NAMES, 0))}
+                return (method.restore(plan, out[0]), *out[1:])
+            return method.restore(plan, out)
         return hook
 
 
@@ -339,7 +248,8 @@ class _Hooks:
 def apply(model: Any, config: ToMeConfig) -> Any:
     """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was."""
     unet = find_unet(model)
-    named = [(n, m) for n, m in unet.named_modules() if _is_block(m)]
+    method = methods.get(config.method)
+    named = [(n, m) for n, m in unet.named_modules() if is_block(m)]
     blocks = [m for _, m in named]
     if not blocks:
         raise UnsupportedModelError(
@@ -355,15 +265,15 @@ def apply(model: Any, config: ToMeConfig) -> Any:
                       stacklevel=3)
     levels = block_levels(unet)
     known = sorted({d for d in levels.values() if d > 0})
-    max_ds = _plan.auto_max_downsample(config, known)
-    report = PatchReport(family=_family(blocks[0]), config=config, max_downsample=max_ds,
+    max_ds = auto_level(config.max_downsample, known)
+    report = PatchReport(family=family(blocks[0]), config=config, max_downsample=max_ds,
                          total_blocks=len(blocks), replaced_tomesd=replaced)
     targets = []
     for name, b in named:
         ds = levels.get(b, 0)
         if ds > max_ds:  # never merged: whatever else patches it is no concern of ours
             continue
-        problem = _block_problem(b, config)
+        problem = _block_problem(b, config, method)
         if problem:
             report.skipped.append((name, problem))
             continue
@@ -388,14 +298,11 @@ def apply(model: Any, config: ToMeConfig) -> Any:
         for b in targets:
             h.append(b.register_forward_pre_hook(hooks.block_pre, with_kwargs=True))
             h.append(b.register_forward_hook(hooks.block_post, with_kwargs=True))
-            for name in _sub_layers(config):
+            for name in method.sub_layers(config):
                 sub = getattr(b, name)
-                if config.method == "downsample":  # downsampled keys need no unmerge
-                    h.append(sub.register_forward_pre_hook(hooks.downsample_pre(b),
-                                                           with_kwargs=True))
-                    continue
-                h.append(sub.register_forward_pre_hook(hooks.merge_pre(b), with_kwargs=True))
-                h.append(sub.register_forward_hook(hooks.unmerge_post(b), with_kwargs=True))
+                h.append(sub.register_forward_pre_hook(hooks.reduce(b), with_kwargs=True))
+                if method.unmerges:
+                    h.append(sub.register_forward_hook(hooks.restore(b), with_kwargs=True))
         setattr(unet, STATE_ATTR, state)
     except BaseException:
         for handle in state.handles:

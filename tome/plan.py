@@ -3,10 +3,12 @@
 Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``forge.py``:
 Forge's UNet patcher) see the same things: a UNet call starts (latent size, timestep), then
 transformer blocks run, each with a token sequence. ``Planner`` turns that into one plan per
-block: a ``merge.Plan`` (ToMe), a ``DownsamplePlan`` (ToDo) or nothing, deciding
+block, or nothing, deciding
 
 - which blocks are merged: the grid of the block's tokens (``grid_of``), ``max_downsample``
   and the ``auto`` policy (``policy.py``);
+- the plan itself: the configured method builds it (``methods.py``: a ``merge.Plan`` for ToMe,
+  a ``DownsamplePlan`` for ToDo);
 - which tokens are destinations: a partition that is a pure function of (seed, timestep,
   grid), computed on the device, so the cond and uncond halves of a step agree even when a
   host runs them in separate calls, and the global RNG is never touched;
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import merge, policy
+from . import merge, methods, policy
 from .config import ToMeConfig
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -35,15 +37,6 @@ def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
     None when that level is not merged (too deep, or not a grid of this latent)."""
     ds, h, w = merge.grid_size(tokens, *size)
     return None if ds > max_downsample or h * w != tokens else (ds, h, w)
-
-
-def auto_max_downsample(config: ToMeConfig, levels: list[int] | set[int]) -> int:
-    """``config.max_downsample``, or the highest-resolution level that has transformer blocks
-    (1 on SD1/SD2; 2 on SDXL, which has no attention at full resolution)."""
-    if config.max_downsample is not None:
-        return config.max_downsample
-    known = sorted(d for d in levels if d > 0)
-    return known[0] if known else 1
 
 
 def _mix(*parts: int) -> int:
@@ -68,20 +61,7 @@ def seeded_partition(config: ToMeConfig, timestep: torch.Tensor | float | None, 
     return merge.partition(h, w, c.sx, c.sy, cells, device)
 
 
-class DownsamplePlan:
-    """ToDo for one level: the keys and values of self-attention are pooled by ``factor``;
-    queries keep every token, so there is nothing to undo."""
-
-    __slots__ = ("h", "w", "factor", "mode")
-
-    def __init__(self, h: int, w: int, factor: int, mode: str = "nearest"):
-        self.h, self.w, self.factor, self.mode = h, w, factor, mode
-
-    def kv(self, x: torch.Tensor) -> torch.Tensor:
-        return merge.downsample_tokens(x, self.h, self.w, self.factor, self.mode)
-
-
-class Step:
+class Call:
     """One UNet call: the latent size, the timestep (left on the device) and the plans shared
     by the blocks of this call."""
 
@@ -98,6 +78,7 @@ class Planner:
 
     def __init__(self, config: ToMeConfig, max_downsample: int):
         self.config, self.max_downsample = config, max_downsample
+        self.method = methods.get(config.method)
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (level, tokens, device kind) -> policy.Decision, filled as levels are met.
@@ -105,7 +86,7 @@ class Planner:
         # Filled while running: downsample -> (tokens, tokens removed) of the latest call.
         self.tokens: dict[int, tuple[int, int]] = {}
 
-    def step(self, size: tuple[int, int], device: torch.device, timestep: Any) -> Step | None:
+    def begin(self, size: tuple[int, int], device: torch.device, timestep: Any) -> Call | None:
         """Start a UNet call on a latent of ``size`` (height, width) on ``device``; None when
         this step is outside the ``start``/``end`` window (the only place the timestep is read
         on the host)."""
@@ -119,7 +100,7 @@ class Planner:
                 t = None
             if t is not None and not c.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= c.end:
                 return None
-        return Step(tuple(size), timestep if c.use_rand else None, policy.device_kind(device))
+        return Call(tuple(size), timestep if c.use_rand else None, policy.device_kind(device))
 
     def decision(self, level: int, tokens: int, kind: str) -> policy.Decision:
         if merge.compiling():  # a dict filled on the first call would recompile
@@ -129,60 +110,40 @@ class Planner:
             self.decisions[key] = policy.decide_level(self.config, level, tokens, kind)
         return self.decisions[key]
 
-    def plan(self, step: Step, x: torch.Tensor, decoder: bool = False) -> Any:
-        """The plan for a block whose input is ``x`` [B, N, C] in ``step``, or None.
+    def plan(self, call: Call, x: torch.Tensor, decoder: bool = False) -> Any:
+        """The plan for a block whose input is ``x`` [B, N, C] in ``call``, or None.
 
         ``decoder``: the block is on the UNet's upsampling side. With ``share="level"`` the
         encoder and the decoder each build their own plan for a level: decoder features differ
         from the encoder's (they carry the skip connections), and reusing the encoder's matches
         there costs visibly more quality (docs/quality.md).
         """
-        c = self.config
         N = x.shape[1]
-        grid = grid_of(N, step.size, self.max_downsample)
+        grid = grid_of(N, call.size, self.max_downsample)
         if grid is None:
             return None
         ds, h, w = grid
-        if not self.decision(ds, N, step.kind).merged:
+        if not self.decision(ds, N, call.kind).merged:
             return None
-        if c.method == "downsample":
-            plan = step.plans.get((h, w))
-            if plan is None:
-                plan = step.plans[(h, w)] = DownsamplePlan(h, w, c.downsample_factor)
-                f = c.downsample_factor
-                self._record(ds, N, N - max(1, h // f) * max(1, w // f))
-            return plan
-        r = int(N * c.ratio)
-        if r <= 0 or h < c.sy or w < c.sx:  # no whole stride cell: nothing to merge into
-            return None
-        if c.share == "level":
-            plan = step.plans.get((h, w, decoder))
-            if plan is not None and plan.batch == x.shape[0]:
-                return plan
-        src_idx, dst_idx = self.partition(step, h, w, x.device)
-        plan = merge.Plan(x, src_idx, dst_idx, r, merge.matcher(c.matching, h, w, c.sx, c.sy))
-        if c.share == "level":
-            step.plans[(h, w, decoder)] = plan
-        self._record(ds, N, plan.r)
-        return plan
+        return self.method.plan(self, call, x, ds, h, w, decoder)
 
-    def _record(self, ds: int, tokens: int, removed: int) -> None:
+    def record(self, ds: int, tokens: int, removed: int) -> None:
         """Report figures, in eager mode only: a compiled graph would guard on the dict."""
         if not merge.compiling():
             self.tokens[ds] = (tokens, removed)
 
-    def partition(self, step: Step, h: int, w: int, device: torch.device):
+    def partition(self, call: Call, h: int, w: int, device: torch.device):
         """Shared by every block at this grid size in this call."""
         key = (h, w)
-        if key not in step.partitions:
+        if key not in call.partitions:
             c = self.config
             if c.use_rand:
-                step.partitions[key] = seeded_partition(c, step.timestep, h, w, device)
+                call.partitions[key] = seeded_partition(c, call.timestep, h, w, device)
             elif merge.compiling():  # part of the graph, no cache to guard on
-                step.partitions[key] = seeded_partition(c, None, h, w, device)
+                call.partitions[key] = seeded_partition(c, None, h, w, device)
             else:
                 fixed = (h, w, str(device))
                 if fixed not in self.fixed:
                     self.fixed[fixed] = seeded_partition(c, None, h, w, device)
-                step.partitions[key] = self.fixed[fixed]
-        return step.partitions[key]
+                call.partitions[key] = self.fixed[fixed]
+        return call.partitions[key]

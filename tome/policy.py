@@ -15,20 +15,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import methods
 from .config import ToMeConfig
 
-# Smallest token count at a level for which merging is faster than not merging, per device
-# kind and method. CPU: tome.bench on an AMD EPYC core, fp32 (AVX2): at 1024 tokens (256 px)
-# merge 0.5 0.96x, ToDo x2 0.94x, tomesd 0.95x; at 4096 tokens (512 px) merge 1.13x, ToDo x2
-# 1.20x (in bf16, on CPUs that have it, 1024 tokens already paid: 1.08-1.11x). CUDA: H100,
-# fp16, SDPA, batch 2: at 4096 tokens ToDo x2 1.01x and merge 0.5 0.82-0.91x; at 16384 1.25x
-# and 1.01-1.08x. MPS: not measured; Apple GPUs have far less attention throughput than an
-# H100, so merging pays earlier there: the CPU's figure as an estimate, to be measured.
-THRESHOLDS: dict[str, dict[str, int]] = {
-    "cpu": {"merge": 4096, "downsample": 4096},
-    "cuda": {"merge": 16384, "downsample": 16384},
-    "mps": {"merge": 4096, "downsample": 4096},
-}
+# The device kinds with thresholds. The thresholds belong to each method
+# (``methods.Method.thresholds``). CPU: tome.bench on an AMD EPYC core, fp32 (AVX2): at 1024
+# tokens (256 px) merge 0.5 0.96x, ToDo x2 0.94x, tomesd 0.95x; at 4096 tokens (512 px) merge
+# 1.13x, ToDo x2 1.20x (in bf16, on CPUs that have it, 1024 tokens already paid: 1.08-1.11x).
+# CUDA: H100, fp16, SDPA, batch 2: at 4096 tokens ToDo x2 1.01x and merge 0.5 0.82-0.91x; at
+# 16384 1.25x and 1.01-1.08x. MPS: not measured; Apple GPUs have far less attention
+# throughput than an H100, so merging pays earlier there: the CPU's figure as an estimate.
+KINDS = ("cpu", "cuda", "mps")
 # Devices without a measurement are treated like the fastest kind: never merged too early.
 FALLBACK = "cuda"
 
@@ -37,7 +34,7 @@ def device_kind(device: object) -> str:
     """``cpu``, ``cuda`` or ``mps`` for a ``torch.device`` (or its string); others map to
     the most conservative kind."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
-    return kind if kind in THRESHOLDS else FALLBACK
+    return kind if kind in KINDS else FALLBACK
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,8 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str) -> Deci
     """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``."""
     if config.policy == "fixed":
         return Decision(level, tokens, True, "fixed policy")
-    threshold = THRESHOLDS.get(kind, THRESHOLDS[FALLBACK])[config.method]
+    thresholds = methods.get(config.method).thresholds
+    threshold = thresholds.get(kind, thresholds.get(FALLBACK, 0))
     if tokens >= threshold:
         return Decision(level, tokens, True, f"{tokens} tokens, at or above the {kind.upper()} "
                         f"threshold ({threshold})")
