@@ -1,28 +1,20 @@
 """Run by the WebUI at every start: check that torch is new enough. Installs nothing.
 
-ToMe needs only torch, which the WebUI already has. It uses forward hooks with keyword
-arguments, which came with torch 2.0. Silent when all is well (the WebUI prints any output).
+ToMe needs only torch, which the WebUI already has (the minimum is in
+``tome/requirements.py``). Silent when all is well (the WebUI prints any output).
 """
 
+import os
+import runpy
 from importlib import metadata
 
-MIN_TORCH = (2, 0)
-
-
-def _version(text):
-    parts = []
-    for piece in text.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
+_req = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tome",
+                                   "requirements.py"))
 try:
     _torch = metadata.version("torch")
 except metadata.PackageNotFoundError:
     print("ToMe: torch is not installed in the WebUI's environment; ToMe will not load.")
 else:
-    if _version(_torch) < MIN_TORCH:
-        print(f"ToMe: torch {_torch} is too old; ToMe needs torch >= "
-              f"{'.'.join(map(str, MIN_TORCH))}. Update the WebUI (v1.6+ ships torch 2.x) or "
-              "start it once with --reinstall-torch.")
+    _problem = _req["torch_problem"](_torch)
+    if _problem:
+        print(f"ToMe: {_problem}")

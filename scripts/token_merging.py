@@ -17,7 +17,7 @@ if _found != _here:
         f"({_here}). Another extension or a pip package named 'tome' was loaded first: "
         "disable that extension or run 'pip uninstall tome' in the WebUI's environment.")
 
-from tome.webui import check_torch, default_ratio, options, runner, ui, xyz  # noqa: E402
+from tome.webui import check_torch, default_ratio, runner, settings_tab, ui, xyz  # noqa: E402
 
 check_torch()
 
@@ -71,7 +71,7 @@ class ToMeScript(scripts.Script):
 if DISABLED:
     print("ToMe: disabled for this launch (--tome-disable)")
 else:
-    script_callbacks.on_ui_settings(options.register)
+    script_callbacks.on_ui_settings(settings_tab.register)
     script_callbacks.on_before_ui(xyz.add_axes)
     script_callbacks.on_model_loaded(runner.on_model_loaded)
     script_callbacks.on_cfg_denoiser(runner.on_cfg_denoiser)

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
 from tome import merge, methods, plan, policy
-from tome.unet import auto_level
 from tome.config import ToMeConfig
+from tome.unet import auto_level
 
 # Ops that accumulate with atomics on CUDA (non-deterministic, see the PyTorch docs of
 # torch.use_deterministic_algorithms), or that sum floats in a scheduling-dependent order.

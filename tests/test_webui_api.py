@@ -105,7 +105,7 @@ def test_invalid_setting_in_override_settings(webui):
 def test_settings_errors_are_value_errors_even_without_fastapi(monkeypatch):
     import builtins
 
-    from tome.webui import settings
+    from tome.webui import script_args as settings
     real = builtins.__import__
 
     def no_fastapi(name, *args, **kwargs):

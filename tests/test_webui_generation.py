@@ -311,9 +311,9 @@ def test_auto_note_for_img2img_and_before_webui_1_10(monkeypatch, capsys):
 
 
 def test_auto_decision_uses_the_device_the_pass_runs_on(webui, monkeypatch):
-    from tome.webui import runner
+    from tome.webui import host
 
-    monkeypatch.setattr(runner, "compute_device", lambda model, x=None: torch.device("cuda"))
+    monkeypatch.setattr(host, "compute_device", lambda model, x=None: torch.device("cuda"))
     res = webui.generate(tome=on())
     assert "ds1 256 tokens, below the CUDA threshold (16384), not merged" in res.info
 
@@ -321,7 +321,7 @@ def test_auto_decision_uses_the_device_the_pass_runs_on(webui, monkeypatch):
 # ----------------------------------------------------------------------------- one pass
 
 def test_arguments_are_parsed_once_and_each_pass_derived_once(webui, monkeypatch):
-    from tome.webui import settings
+    from tome.webui import script_args as settings
 
     counts = {"parse": 0, "passes": 0}
     parse, derive = settings.parse_args, settings.ScriptSettings.passes

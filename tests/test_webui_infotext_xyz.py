@@ -4,7 +4,8 @@ import pytest
 import torch
 from webui_stub.harness import PAIR, WebUI, parse_generation_parameters
 
-from tome.webui import infotext, settings
+from tome.webui import infotext
+from tome.webui import script_args as settings
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ from webui_stub.harness import (
 )
 
 import tome
-from tome.webui import settings, ui
+from tome.webui import script_args as settings
+from tome.webui import ui
 
 
 @pytest.fixture

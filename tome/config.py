@@ -63,10 +63,11 @@ class ToMeConfig:
     sx: int = field(default=2, metadata=_meta(
         "Stride x", "ToMe stride x",
         "Width of the cell that keeps one destination token. Larger allows more merging but "
-        "coarser.", minimum=1, maximum=8, step=1))
+        "coarser.", minimum=1, maximum=MAX_STRIDE, step=1))
     sy: int = field(default=2, metadata=_meta(
         "Stride y", "ToMe stride y",
-        "Height of the cell that keeps one destination token.", minimum=1, maximum=8, step=1))
+        "Height of the cell that keeps one destination token.", minimum=1, maximum=MAX_STRIDE,
+        step=1))
     use_rand: bool = field(default=True, metadata=_meta(
         "Random destinations", "ToMe random",
         "Pick the destination in each cell at random (seeded) instead of top-left. Random "
@@ -88,7 +89,7 @@ class ToMeConfig:
     downsample_factor: int = field(default=2, metadata=_meta(
         "Downsample factor", "ToMe downsample factor",
         "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
-        minimum=1, maximum=8, step=1))
+        minimum=1, maximum=MAX_STRIDE, step=1))
     matching: str = field(default="global", metadata=_meta(
         "Matching", "ToMe matching",
         "global: every source may merge into any destination (as tomesd). local: only into "
@@ -245,7 +246,7 @@ def describe(f: dataclasses.Field) -> str:
         return "one of " + ", ".join(map(str, choices(f.name)))
     if isinstance(f.default, bool):
         return "true or false"
-    if f.name == "ratio":
+    if f.name.endswith("ratio"):  # ratio, and the WebUI's hr_ratio and img2img_ratio
         return f"a number in [0, {RATIO_RULE}]"
     if "minimum" in m:
         hi = m.get("maximum", "max")

@@ -28,8 +28,16 @@ from torch import nn
 from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
-from .unet import (BLOCK_CLASS, UnsupportedModelError, auto_level, block_levels,
-                   decoder_blocks, family, find_unet, is_block)
+from .unet import (
+    BLOCK_CLASS,
+    UnsupportedModelError,
+    auto_level,
+    block_levels,
+    decoder_blocks,
+    family,
+    find_unet,
+    is_block,
+)
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
 

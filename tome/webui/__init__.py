@@ -15,16 +15,15 @@ def default_ratio(value: Any) -> float | None:
         return ToMeConfig(ratio=float(value)).ratio
     except (TypeError, ValueError):
         print(f"ToMe: ignoring --tome-default-ratio {value}: it must be a number in "
-              f"[0, {ToMeConfig().max_ratio:g}]")
+              f"[0, {ToMeConfig().max_ratio:g}] (for the default 2x2 stride)")
         return None
 
 
 def check_torch() -> None:
-    """Hooks with keyword arguments (how blocks are patched) need torch 2.0."""
+    """Refuse to load on a torch older than ``requirements.MIN_TORCH``."""
     import torch
-    major, minor = (int("".join(c for c in x if c.isdigit()) or 0)
-                    for x in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 0):
-        raise ImportError(f"ToMe needs torch >= 2.0; this WebUI runs torch {torch.__version__}. "
-                          "Update the WebUI (v1.6+ ships torch 2.x) or start it once with "
-                          "--reinstall-torch.")
+
+    from ..requirements import torch_problem
+    problem = torch_problem(torch.__version__)
+    if problem:
+        raise ImportError(problem)

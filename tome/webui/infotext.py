@@ -11,18 +11,14 @@ default to ``auto``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..config import ToMeConfig, coerce, preset
-from . import settings as S
+from .. import methods
+from ..config import FIELDS, ToMeConfig, coerce, preset
+from . import script_args as S
 
-if TYPE_CHECKING:
-    from .runner import Generation
-
-_FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
-CONFIG_KEYS = {name: _FIELDS[name].metadata["infotext"] for name in S.CONFIG_KEYS}
+CONFIG_KEYS = {name: FIELDS[name].metadata["infotext"] for name in S.CONFIG_KEYS}
 PRESET = "ToMe preset"
 HIRES_ONLY = "ToMe hires only"
 HR_RATIO = "ToMe hr ratio"
@@ -35,33 +31,29 @@ ALL_KEYS = (*KEYS.values(), SKIPPED, AUTO)
 _LIBRARY = ToMeConfig()
 
 
-def build(gen: Generation) -> dict[str, Any]:
-    """The infotext entries of a generation, empty when ToMe changes nothing in any pass."""
-    if not any(cfg is not None for cfg in gen.passes.values()):
+def build(s: S.ScriptSettings, passes: Mapping[str, ToMeConfig | None]) -> dict[str, Any]:
+    """The infotext entries of a generation with settings ``s`` and per-pass configs
+    ``passes``; empty when ToMe changes nothing in any pass."""
+    if not any(cfg is not None for cfg in passes.values()):
         return {}
-    s = gen.settings
-    cfg = gen.passes.get("img2img") or s.config  # img2img's config carries its own ratio
+    cfg = passes.get("img2img") or s.config  # img2img's config carries its own ratio
     out: dict[str, Any] = {}
     if s.preset is not None:
         out[PRESET] = s.preset
     for name, value in relevant(cfg).items():
         if name == "ratio" or value != getattr(_LIBRARY, name):
             out[CONFIG_KEYS[name]] = value
-    if gen.passes.get("hires") is not None:
+    if passes.get("hires") is not None:
         if s.hires_only:
             out[HIRES_ONLY] = True
-        if s.hr_ratio and s.hr_ratio != cfg.ratio and cfg.method == "merge":
+        if s.hr_ratio and s.hr_ratio != cfg.ratio and "ratio" in relevant(cfg):
             out[HR_RATIO] = s.hr_ratio
     return out
 
 
 def relevant(cfg: ToMeConfig) -> dict[str, Any]:
     """The config fields that can change the image under the chosen method."""
-    if cfg.method == "downsample":
-        skip = {"ratio", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp",
-                "matching", "share"}
-    else:
-        skip = {"downsample_factor"}
+    skip = methods.get(cfg.method).ignores
     return {name: getattr(cfg, name) for name in S.CONFIG_KEYS if name not in skip}
 
 
@@ -92,7 +84,7 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
                 return S.to_bool(name, raw)
             if name == "hr_ratio":
                 return S.to_ratio(name, raw)
-            value = coerce(_FIELDS[name], raw)  # types only: the generation validates
+            value = coerce(FIELDS[name], raw)  # types only: the generation validates
         except ValueError:
             return None
         if name == "max_downsample":

@@ -9,25 +9,24 @@ stable too. Tooltips live in ``javascript/tome.js``, rendered from ``HELP`` by `
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from typing import Any
 
-from ..config import PRESETS, ToMeConfig, preset
+from .. import methods
+from ..config import FIELDS, PRESETS, choices, preset, ratio_limit
 from . import infotext
-from .settings import ARGS, CONFIG_KEYS, DEFAULT, PRESET_CHOICES, control_values, preset_key
+from .script_args import ARGS, CONFIG_KEYS, DEFAULT, PRESET_CHOICES, control_values, preset_key
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
 _DEFAULTS = control_values(DEFAULT)  # the controls' defaults: the library's, policy auto
 
 
 def _preset_summary(key: str) -> str:
     """E.g. "downsample x4, max downsample 2, auto policy", from the preset's own values."""
     values, cfg = PRESETS[key], preset(key)
-    parts = [f"merge ratio {cfg.ratio:g}" if cfg.method == "merge"
-             else f"downsample x{cfg.downsample_factor}"]
-    parts += [f"{_FIELDS[k].metadata['label'].lower()} {v}" for k, v in values.items()
-              if k not in ("method", "ratio", "downsample_factor", "policy")]
+    parts = [methods.get(cfg.method).describe(cfg)]
+    shown = ("method", "policy", methods.get(cfg.method).value_field)
+    parts += [f"{FIELDS[k].metadata['label'].lower()} {v}" for k, v in values.items()
+              if k not in shown]
     return ", ".join(parts) + f", {cfg.policy} policy"
 
 
@@ -50,9 +49,9 @@ _EXTRA = {
         "is chosen); Only in hires fix and Hires ratio stay yours. Custom: the controls as you "
         "set them, starting from the last preset's values.")),
 }
-LABELS = {**{n: f.metadata["label"] for n, f in _FIELDS.items()},
+LABELS = {**{n: f.metadata["label"] for n, f in FIELDS.items()},
           **{n: label for n, (label, _) in _EXTRA.items()}}
-HELP = {n: (_EXTRA[n][1] if n in _EXTRA else _FIELDS[n].metadata["help"]) for n in ARGS}
+HELP = {n: (_EXTRA[n][1] if n in _EXTRA else FIELDS[n].metadata["help"]) for n in ARGS}
 
 
 def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> list[Any]:
@@ -63,15 +62,15 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
     c: dict[str, Any] = {}
 
     def slider(name: str, value: Any = None, maximum: float | None = None, scale: int = 1):
-        meta = _FIELDS[name].metadata if name in _FIELDS else _FIELDS["ratio"].metadata
+        meta = FIELDS[name].metadata if name in FIELDS else FIELDS["ratio"].metadata
         c[name] = gr.Slider(
             minimum=meta["minimum"], maximum=meta.get("maximum", maximum), step=meta["step"],
             value=_DEFAULTS[name] if value is None else value, label=LABELS[name],
             elem_id=script.elem_id(name), scale=scale)
 
-    def radio(name: str, choices: tuple | None = None, value: str | None = None,
+    def radio(name: str, options: tuple | None = None, value: str | None = None,
               scale: int = 1) -> None:
-        c[name] = gr.Radio(choices=list(choices or _FIELDS[name].metadata["choices"]),
+        c[name] = gr.Radio(choices=list(options or choices(name)),
                            value=_DEFAULTS[name] if value is None else value,
                            label=LABELS[name], elem_id=script.elem_id(name), scale=scale)
 
@@ -108,7 +107,7 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
                 radio("share")
 
     def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
-        top = ToMeConfig(ratio=0.0, sx=max(1, int(sx)), sy=max(1, int(sy))).max_ratio
+        top = ratio_limit(max(1, int(sx)), max(1, int(sy)))
         return (gr.update(maximum=top, value=min(r, top)),
                 gr.update(maximum=top, value=min(hr, top)))
 

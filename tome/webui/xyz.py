@@ -7,17 +7,13 @@ unless the "[ToMe] Enabled" axis says otherwise. Values are validated when the g
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..config import MATCHINGS, METHODS, POLICIES, SHARES, ToMeConfig
-from .runner import XYZ_ATTR
-from .settings import PRESET_CHOICES, from_dict, invalid
+from ..config import choices
+from .script_args import PRESET_CHOICES, XYZ_ATTR, from_dict, invalid
 
 PREFIX = "[ToMe] "
-_MAX_DOWNSAMPLE_CHOICES = next(f.metadata["choices"] for f in dataclasses.fields(ToMeConfig)
-                               if f.name == "max_downsample")
 _BOOLS = ["True", "False"]
 
 
@@ -66,22 +62,22 @@ def axes(xyz: Any) -> list[Any]:
         A(PREFIX + "Preset", str, set_value("preset"), confirm=confirm("preset"),
           choices=lambda: list(PRESET_CHOICES)),
         A(PREFIX + "Policy", str, set_value("policy"), confirm=confirm("policy"),
-          choices=lambda: list(POLICIES)),
+          choices=lambda: list(choices("policy"))),
         A(PREFIX + "Ratio", float, set_value("ratio"), confirm=confirm("ratio")),
         A(PREFIX + "Hires ratio", float, set_value("hr_ratio"), confirm=confirm("hr_ratio")),
         A(PREFIX + "Stride", str, set_value("stride"), confirm=confirm("stride"),
           choices=lambda: ["2x2", "2x1", "1x2", "3x2", "2x3", "3x3", "4x2", "2x4", "4x4"]),
         A(PREFIX + "Max downsample", str, set_value("max_downsample"),
           confirm=confirm("max_downsample"),
-          choices=lambda: list(_MAX_DOWNSAMPLE_CHOICES)),
+          choices=lambda: list(choices("max_downsample"))),
         A(PREFIX + "Method", str, set_value("method"), confirm=confirm("method"),
-          choices=lambda: list(METHODS)),
+          choices=lambda: list(choices("method"))),
         A(PREFIX + "Downsample factor", int, set_value("downsample_factor"),
           confirm=confirm("downsample_factor")),
         A(PREFIX + "Matching", str, set_value("matching"), confirm=confirm("matching"),
-          choices=lambda: list(MATCHINGS)),
+          choices=lambda: list(choices("matching"))),
         A(PREFIX + "Plan sharing", str, set_value("share"), confirm=confirm("share"),
-          choices=lambda: list(SHARES)),
+          choices=lambda: list(choices("share"))),
         A(PREFIX + "Start", float, set_value("start"), confirm=confirm("start")),
         A(PREFIX + "End", float, set_value("end"), confirm=confirm("end")),
         A(PREFIX + "Hires only", str, set_value("hires_only"), confirm=confirm("hires_only"),

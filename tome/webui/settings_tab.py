@@ -1,6 +1,11 @@
-"""The extension's entries in Settings > ToMe (readable per request through override_settings)."""
+"""The extension's entries in Settings > ToMe (readable per request through override_settings).
+
+(The script's own arguments, the accordion's values, are in ``script_args.py``.)
+"""
 
 from __future__ import annotations
+
+from ..config import MAX_STRIDE, RATIO_RULE, ratio_limit
 
 SECTION = ("tome", "ToMe")
 
@@ -17,8 +22,8 @@ def register() -> None:
             "stays exact and only the large hires pass is merged"),
         "tome_hr_ratio": shared.OptionInfo(
             0.0, "Hires-fix pass ratio when the accordion's Hires ratio is 0", gr.Slider,
-            {"minimum": 0.0, "maximum": 0.95, "step": 0.01}).info(
-            "0 = same as the first pass; must not exceed 1 - 1/(sx*sy) (0.75 for a 2x2 stride)"),
+            {"minimum": 0.0, "maximum": round(ratio_limit(MAX_STRIDE, MAX_STRIDE), 2),
+             "step": 0.01}).info(f"0 = same as the first pass; must not exceed {RATIO_RULE}"),
     }
     for key, info in options.items():
         info.section = SECTION

@@ -1,4 +1,9 @@
-"""The script-level settings of one generation: a ``ToMeConfig`` plus the WebUI's own switches.
+"""The script's arguments: one generation's settings, a ``ToMeConfig`` plus the WebUI's own
+switches.
+
+(The WebUI's Settings-tab entries are in ``settings_tab.py``.)
+
+The script-level settings of one generation: a ``ToMeConfig`` plus the WebUI's own switches.
 
 The WebUI hands a script its arguments either positionally (the values of the components that
 ``ui()`` returned, in ``ARGS`` order) or, through the API, as one dict of named settings in
@@ -18,17 +23,18 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from ..config import PRESETS, ToMeConfig, coerce, preset
+from ..config import FIELDS, PRESETS, ToMeConfig, check_ratio, coerce, preset
 
+# Set by the X/Y/Z plot's ToMe axes on a cell's copy of ``p``: {setting: value}.
+XYZ_ATTR = "_tome_xyz"
 # The positional order of the script's arguments: the API contract. Append only, never reorder.
 ARGS = ("enabled", "ratio", "sx", "sy", "max_downsample", "hires_only", "hr_ratio",
         "method", "downsample_factor", "start", "end",
         "use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "matching",
         "share", "policy", "preset")
 
-_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(ToMeConfig)}
 # The seed comes from the image seed; every other config field is a script setting.
-CONFIG_KEYS = tuple(name for name in _CONFIG_FIELDS if name != "seed")
+CONFIG_KEYS = tuple(name for name in FIELDS if name != "seed")
 # Settings that exist only in the WebUI layer.
 SCRIPT_KEYS = ("enabled", "preset", "hires_only", "hr_ratio", "img2img_ratio")
 KEYS = SCRIPT_KEYS + CONFIG_KEYS
@@ -55,7 +61,7 @@ class ScriptSettings:
 
     def __post_init__(self) -> None:
         for name in ("hr_ratio", "img2img_ratio"):
-            check_ratio(name, getattr(self, name), self.config)
+            check_extra_ratio(name, getattr(self, name), self.config)
 
     def replace(self, **changes: Any) -> ScriptSettings:
         return dataclasses.replace(self, **changes)
@@ -117,11 +123,10 @@ def _error_class() -> type:
     return _error_classes[0]
 
 
-def check_ratio(name: str, value: float, config: ToMeConfig) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 <= value <= config.max_ratio + 1e-9:
-        raise ValueError(f"ToMe: invalid {name}={value!r}: must be in [0, {config.max_ratio:g}] "
-                         f"for a {config.sx}x{config.sy} stride (0 = same as ratio)")
+def check_extra_ratio(name: str, value: float, config: ToMeConfig) -> None:
+    """A pass's own ratio (``hr_ratio``, ``img2img_ratio``): the config's stride rule; 0 means
+    "same as ratio"."""
+    check_ratio(name, value, config.sx, config.sy, "; 0 = same as ratio")
 
 
 def to_bool(name: str, value: Any) -> bool:
@@ -133,8 +138,8 @@ def to_bool(name: str, value: Any) -> bool:
 
 
 def to_ratio(name: str, value: Any) -> float:
-    meta = {"minimum": 0.0, "maximum": "1 - 1/(sx*sy)"}
-    return coerce(SimpleNamespace(name=name, default=0.0, metadata=meta), value)
+    """A number; checked against the stride with the rest (``check_extra_ratio``)."""
+    return coerce(SimpleNamespace(name=name, default=0.0, metadata={}), value)
 
 
 def preset_key(value: Any) -> str | None:
@@ -164,7 +169,7 @@ def from_dict(data: Mapping[str, Any]) -> ScriptSettings:
         # A disabled extension must never fail a generation, whatever else was sent.
         return ScriptSettings()
     key = preset_key(data.get("preset"))
-    config = ToMeConfig.from_dict({k: v for k, v in data.items() if k in _CONFIG_FIELDS},
+    config = ToMeConfig.from_dict({k: v for k, v in data.items() if k in FIELDS},
                                   base=DEFAULT if key is None else preset(key))
     return ScriptSettings(
         enabled=True, config=config, preset=key,

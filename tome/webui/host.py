@@ -1,0 +1,158 @@
+"""What the WebUI host is and does: probing it, and the workarounds its contract needs.
+
+Probing: the current model, the pass's latent size, compute device and seed, and models whose
+UNet we must not patch. Workarounds: stopping a generation with a clear error before anything
+is sampled, unpatching in ``p.close()``, keeping the built-in token merging off, and keeping
+X/Y/Z cells from sharing infotext keys. Only this module and ``settings_tab.py`` import
+``modules.*`` (lazily), so the rest of the WebUI layer is testable without a WebUI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import policy
+from ..unet import find_unet
+from . import infotext
+from . import script_args as A
+
+BUILTIN_KEYS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
+
+
+# ----------------------------------------------------------------------------- probing
+
+def opts() -> Any:
+    from modules import shared
+    return shared.opts
+
+
+def current_model(p: Any) -> Any:
+    return getattr(p, "sd_model", None)
+
+
+def seed_of(p: Any) -> int:
+    """The seed of the current batch's first image, so a batch reproduces on its own."""
+    for seeds in (getattr(p, "seeds", None), getattr(p, "all_seeds", None)):
+        if seeds:
+            return int(seeds[0])
+    return int(getattr(p, "seed", 0) or 0)
+
+
+def latent_size(p: Any, name: str, x: Any = None) -> tuple[int, int]:
+    """(height, width) of the latent a pass samples: ``x``'s when given, else from ``p``."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) >= 2:
+        return int(shape[-2]), int(shape[-1])
+    w, h = int(getattr(p, "width", 512)), int(getattr(p, "height", 512))
+    if name == "hires":
+        w = int(getattr(p, "hr_upscale_to_x", 0) or w * getattr(p, "hr_scale", 1))
+        h = int(getattr(p, "hr_upscale_to_y", 0) or h * getattr(p, "hr_scale", 1))
+    return h // 8, w // 8
+
+
+def compute_device(model: Any, x: Any = None) -> Any:
+    """Where the pass runs: ``x``'s device, else the WebUI's device, else the UNet's (which may
+    sit on the CPU between passes with --medvram or --lowvram)."""
+    device = getattr(x, "device", None)
+    if device is not None:
+        return device
+    try:
+        from modules import devices
+        return devices.device
+    except (ImportError, AttributeError):
+        pass
+    try:
+        return next(find_unet(model).parameters()).device
+    except Exception:  # noqa: BLE001 (no parameters, or not a UNet: the safest kind)
+        return policy.FALLBACK
+
+
+def unsupported(model: Any) -> str | None:
+    """Models the library can patch but whose blocks would never run, or that are not UNets."""
+    try:
+        from modules import sd_unet
+        unet = getattr(sd_unet, "current_unet", None)
+    except ImportError:
+        unet = None
+    if unet is not None:
+        name = getattr(getattr(unet, "option", None), "label", None) or type(unet).__name__
+        return f"an SD Unet replacement ({name}) runs instead of the PyTorch UNet"
+    if getattr(model, "is_sd3", False):
+        return "SD3 has no UNet transformer blocks (MMDiT)"
+    return None
+
+
+def model_kind(model: Any) -> str:
+    """``SDXL``, ``SD2``, ``SD1`` from the WebUI's model flags, or ''."""
+    return next((k for k, flag in (("SDXL", "is_sdxl"), ("SD2", "is_sd2"), ("SD1", "is_sd1"))
+                 if getattr(model, flag, False)), "")
+
+
+# ----------------------------------------------------------------------------- workarounds
+
+def fail_generation(p: Any, error: ValueError) -> ValueError:
+    """Stop the generation with ``error`` as its message, before anything is sampled; returns
+    the error as raised.
+
+    The WebUI catches and only prints exceptions from script hooks, so an invalid setting
+    would silently generate an unmerged image. Instead the next method the WebUI calls on
+    ``p`` after ``before_process`` (the built-in ratio getter) or after ``process`` (``init``)
+    raises. The error is a ``script_args.invalid`` one: the API answers it with HTTP 422 and
+    prints no traceback, so the caller's line (``narrate.stopped``) is the console's only one;
+    the UI shows the message.
+    """
+    error = A.invalid(error)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    p.get_token_merging_ratio = fail
+    p.init = fail
+    return error
+
+
+def on_close(p: Any, restore: Callable[[], None]) -> None:
+    """Run ``restore`` in ``p.close()``, which the WebUI calls even when the generation
+    raised."""
+    if "close" in vars(p):
+        return
+    close = p.close
+
+    def close_and_restore() -> None:
+        try:
+            restore()
+        finally:
+            close()
+
+    p.close = close_and_restore
+
+
+def disable_builtin(p: Any) -> dict[str, Any]:
+    """The WebUI's own token merging (tomesd) would patch the same model: set it to 0, and
+    return what was on (empty when nothing was).
+
+    Through ``override_settings``, which the WebUI applies after ``before_process`` and restores
+    afterwards. If the request asks not to restore them, the ratio getter is shadowed instead,
+    so the user's saved settings are never overwritten.
+    """
+    overrides = getattr(p, "override_settings", None)
+    if overrides is None:
+        return {}
+    o = opts()
+    on = {k: v for k in BUILTIN_KEYS if (v := overrides.get(k, getattr(o, k, 0)))}
+    if not on:
+        return {}
+    if getattr(p, "override_settings_restore_afterwards", True):
+        p.override_settings = {**overrides, **{k: 0.0 for k in BUILTIN_KEYS}}
+    else:
+        p.get_token_merging_ratio = lambda for_hr=False: 0.0
+    return on
+
+
+def strip_infotext(p: Any) -> None:
+    """XYZ cells share one dict (shallow copies of ``p``): never leave another cell's keys."""
+    params = p.extra_generation_params
+    if any(k in params for k in infotext.ALL_KEYS):
+        p.extra_generation_params = {k: v for k, v in params.items()
+                                     if k not in infotext.ALL_KEYS}

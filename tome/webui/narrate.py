@@ -1,0 +1,125 @@
+"""The one voice of the WebUI layer: every console line and infotext note, written here once.
+
+A generation prints one summary line (what is merged, where, with which seed), at most one
+line per note after it (the auto policy's choice per pass, skipped blocks, library notes), and
+writes the same notes into the infotext. ``Voice`` remembers what it said in a generation, so
+hosts that re-apply the patch per pass or per step never repeat themselves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import methods, policy
+from ..config import ToMeConfig
+from . import infotext
+
+PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
+
+_said_builtin = False
+
+
+def what(cfg: ToMeConfig | None) -> str:
+    """``ratio 0.5``, ``downsample x2`` or ``off``."""
+    return "off" if cfg is None else methods.get(cfg.method).describe(cfg)
+
+
+def passes_text(passes: dict[str, ToMeConfig | None]) -> str:
+    """``first pass off, hires pass ratio 0.6``."""
+    return ", ".join(f"{PASS_LABELS[name]} {what(cfg)}" for name, cfg in passes.items())
+
+
+def skipped_text(skipped: list[tuple[Any, str]]) -> str:
+    return f"{len(skipped)} block(s) skipped: {skipped[0][1]}"
+
+
+def stopped(error: Exception) -> None:
+    """An invalid setting stops the generation: the console's only line about it."""
+    print(f"{error}; the generation is stopped")
+
+
+def hires_only_without_hires() -> None:
+    print("ToMe: 'Only in hires fix' is on but hires fix is off: nothing is merged")
+
+
+def builtin_off(was_on: dict[str, Any]) -> None:
+    """Once per process: the WebUI's own token merging is off while ToMe is on."""
+    global _said_builtin
+    if was_on and not _said_builtin:
+        _said_builtin = True
+        was = ", ".join(f"{k}={v}" for k, v in was_on.items())
+        print(f"ToMe: the WebUI's built-in token merging ({was}) is off while ToMe is enabled, "
+              "so the model is never merged twice")
+
+
+def library_notes(caught: list) -> list[str]:
+    """The library's warnings while patching: its ToMe messages become console notes (skipped
+    blocks are in the summary line already); any other warning is shown as usual."""
+    notes = []
+    for w in caught:
+        text = str(w.message)
+        if not text.startswith("ToMe:"):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif not text.startswith("ToMe: skipped"):
+            notes.append(text)
+    return notes
+
+
+@dataclass
+class Voice:
+    """What one generation has said so far."""
+
+    announced: bool = False            # the one summary line was printed
+    skipped: str | None = None         # why the model is not merged at all
+    said: set[str] = field(default_factory=set)         # notes printed once per generation
+    auto: dict[str, str] = field(default_factory=dict)  # pass -> what the auto policy chose
+
+    def say(self, line: str) -> None:
+        if line not in self.said:
+            self.said.add(line)
+            print(line)
+
+    def summary(self, head: str, passes: dict[str, ToMeConfig | None], coverage: str,
+                skipped: list[tuple[Any, str]] = (), seed: int | None = None) -> None:
+        """The one console line per generation that shows ToMe is working, e.g.
+        ``ToMe: SD1 (ldm) first pass ratio 0.5; 5/16 blocks patched at downsample <= 1
+        (ds1: 5); seed 3``."""
+        if self.announced:
+            return
+        self.announced = True
+        line = f"ToMe: {head} {passes_text(passes)}; {coverage}"
+        if skipped:
+            self.said.add("skipped")
+            line += f"; {skipped_text(skipped)}"
+        if seed is not None:
+            line += f"; seed {seed}"
+        print(line)
+
+    def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, levels: list[int],
+                    latent: tuple[int, int], kind: str) -> None:
+        """Once per pass: what the auto policy does and why (console and infotext)."""
+        if cfg.policy != "auto" or name in self.auto:
+            return
+        text = policy.summary(policy.decide(cfg, latent, levels, kind), latent)
+        self.auto[name] = f"{PASS_LABELS[name]} {text}"
+        print(f"ToMe auto: {self.auto[name]}")
+        p.extra_generation_params[infotext.AUTO] = " | ".join(self.auto.values())
+
+    def skipped_blocks(self, p: Any, skipped: list[tuple[Any, str]]) -> None:
+        """Blocks another extension has taken over are left alone: one infotext note, and one
+        console line unless the summary line already said it."""
+        if not skipped:
+            return
+        p.extra_generation_params[infotext.SKIPPED] = f"{len(skipped)} block(s): {skipped[0][1]}"
+        if self.announced and "skipped" not in self.said:
+            self.said.add("skipped")
+            print(f"ToMe: {skipped_text(skipped)}; the other blocks are merged")
+
+    def skip_model(self, p: Any, reason: str) -> None:
+        """The model is not merged at all: one console line, one infotext note."""
+        if self.skipped is None:
+            self.skipped = reason
+            print(f"ToMe: skipped, the image is generated without merging: {reason}")
+        p.extra_generation_params[infotext.SKIPPED] = reason
