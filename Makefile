@@ -25,7 +25,7 @@ demo: setup
 
 # One SD1.5 UNet forward with and without ToMe (random weights): speed only.
 speed-demo: setup
-	$(PY) -m tome.lab.demo
+	$(PY) -m tome.lab.speed_demo
 
 # SD1.5 at 256 px and the matching step, unmerged vs tomesd vs ours (python -m tome.bench works too).
 bench: setup

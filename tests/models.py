@@ -1,10 +1,42 @@
-"""Real UNets built from their configs with random weights, small enough for CI."""
+"""Real UNets built from their configs with random weights, small enough for CI, and the
+helpers the library's tests share. Independent of the lab (``tome.lab``), so the library's
+tests do not move when the benchmark does."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tome.lab.models import wake
+
+def wake(model: nn.Module, seed: int) -> nn.Module:
+    """ldm zero-initialises its output projections, so a fresh UNet's blocks add nothing and
+    merging could not change an output: give those layers small random weights."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        zero = [p for p in model.parameters() if p.dim() > 1 and not p.any()]
+        for p in zero:
+            p.normal_(0.0, 0.5 / p[0].numel() ** 0.5, generator=g)
+    return model
+
+
+class Wrapper(nn.Module):
+    """What the WebUI hands over: a model with ``.model.diffusion_model``."""
+
+    def __init__(self, unet):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.diffusion_model = unet
+
+
+def run(unet, x, t, c):
+    """One forward of an ldm or diffusers UNet, as a tensor."""
+    return unet(x, t, c) if hasattr(unet, "input_blocks") else unet(x, t, c).sample
+
+
+def snapshot(module: nn.Module):
+    """Everything a patch could leave behind: classes, hooks, instance attributes."""
+    return [(n, type(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
+            for n, m in module.named_modules()]
 
 # SD1.5's UNet config (v1-inference.yaml) with narrower channels: same levels, same 16 blocks.
 SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320,

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tome.config import ToMeConfig
-from tome.lab import bench, device, models, report, run, timing, variants
+from tome.lab import bench, device, models, report, run, timing
+from tome.lab import settings as lab_settings
 from tome.lab.matching import run_matching
-from tome.lab.variants import Setting
+from tome.lab.settings import Setting
 
 torch.set_num_threads(1)
 
@@ -52,16 +53,16 @@ def test_ceiling_and_match_only_settings():
     assert (c.method, c.label, c.reduction, c.value) == ("ceiling", "ceiling", 1.0, 0.0)
     assert Setting.parse("ceiling:max_downsample=2").config.max_downsample == 2
     ours, theirs = Setting.parse("match-only"), Setting.parse("match-only:tomesd")
-    assert ours.config.ratio == theirs.config.ratio == variants.MATCH_ONLY_RATIO
+    assert ours.config.ratio == theirs.config.ratio == lab_settings.MATCH_ONLY_RATIO
     assert (ours.impl, theirs.impl) == ("tome", "tomesd")
     assert (ours.label, theirs.label) == ("match-only", "match-only tomesd")
-    names = [s.label for s in variants.default_settings(
+    names = [s.label for s in lab_settings.default_settings(
         ["ceiling", "tomesd", "merge", "merge-local", "downsample", "match-only"], [0.3, 0.5], [2])]
     assert names == ["unmerged", "ceiling", "tomesd 0.3", "tomesd 0.5", "merge 0.3", "merge 0.5",
                      "merge local 0.3", "merge local 0.5", "downsample x2", "match-only",
                      "match-only tomesd"]
     with pytest.raises(ValueError):
-        variants.default_settings(["fastest"])
+        lab_settings.default_settings(["fastest"])
 
 
 # ----------------------------------------------------------------------------- device, dtype
@@ -223,7 +224,7 @@ def test_gpu_defaults_without_a_gpu(monkeypatch):
         seen["settings"] = [s.label for s in settings]
         seen["repeats"] = repeats
         rows = [{"model": c.model_name, "size": c.size, "dtype": c.dtype, "batch": c.batch,
-                 "device": "cuda", "variant": s.label, "method": s.method, "impl": s.impl,
+                 "device": "cuda", "setting": s.label, "method": s.method, "impl": s.impl,
                  "value": s.value, "options": dict(s.options), "times": [1.0], "median": 1.0,
                  "min": 1.0, "max": 1.0, "flops": None, "peak": None, "patched": "",
                  "deviation": 0.0, "reduction": s.reduction} for c in cases for s in settings]
@@ -299,12 +300,12 @@ def test_ceiling_removes_attention_at_merged_levels_and_restores_bit_exactly(fam
 
 
 def test_run_benchmark_rows_table_and_plot(tiny_case, tmp_path):
-    settings = variants.parse_settings(["ceiling", "tomesd:0.5", "merge:0.5",
+    settings = lab_settings.parse_settings(["ceiling", "tomesd:0.5", "merge:0.5",
                                         "merge:0.5:matching=local", "downsample:2",
                                         "match-only", "match-only:tomesd"])
     rows = run.run_benchmark([tiny_case], settings, repeats=1, progress=False)
-    assert [r["variant"] for r in rows] == [s.label for s in settings]
-    by = {r["variant"]: r for r in rows}
+    assert [r["setting"] for r in rows] == [s.label for s in settings]
+    by = {r["setting"]: r for r in rows}
     base = by["unmerged"]
     assert base["deviation"] == 0 and base["speedup"] == pytest.approx(1.0)
     for r in rows:
@@ -404,10 +405,10 @@ def test_run_loop_on_a_faked_cuda_device(tiny_case, monkeypatch):
                        model=tiny_case.model, inputs=tiny_case.inputs,
                        device=torch.device("cuda"))
     assert run.default_warmup(case.device) == 3
-    settings = variants.parse_settings(["merge:0.5", "ceiling"])
+    settings = lab_settings.parse_settings(["merge:0.5", "ceiling"])
     seen = []
     rows = run.run_benchmark([case], settings, repeats=2, progress=False,
-                             on_row=lambda r: seen.append(r["variant"]))
+                             on_row=lambda r: seen.append(r["setting"]))
     assert seen == ["unmerged", "merge 0.5", "ceiling"]
     for r in rows:
         assert r["device"] == "cuda" and r["times"] == [0.5, 0.5] and r["peak"] == 2**20
@@ -427,7 +428,7 @@ def test_compile_reports_graphs_breaks_and_recompiles():
                 _Hooked("drift", _drifting)]
     rows = run.run_benchmark([case], settings, repeats=3, measure=False, progress=False,
                              compile=True, compile_backend="eager")
-    by = {r["variant"]: r for r in rows}
+    by = {r["setting"]: r for r in rows}
     assert all(r["deviation"] > 0 for r in rows[1:])  # the hooks ran inside the compiled model
     assert by["unmerged"]["compile"]["graphs"] >= 1
     assert by["unmerged"]["compile"]["recompiles"] == 0

@@ -10,7 +10,7 @@ import torch
 import tome
 from tome.config import ToMeConfig
 from tome.lab import quality, report, showcase, tinyldm
-from tome.lab.variants import parse_settings
+from tome.lab.settings import parse_settings
 
 
 @pytest.fixture(scope="module")

@@ -118,54 +118,6 @@ def test_downsample_tokens_shapes_and_values(h, w, f):
 
 # ----------------------------------------------------------------------------- patched UNets
 
-def _ldm():
-    pytest.importorskip("ldm")
-    from tests.models import ldm_inputs, ldm_unet
-    return ldm_unet(), ldm_inputs()
-
-
-def test_local_matching_runs_in_a_unet_and_changes_little():
-    import tome
-    unet, (x, t, ctx) = _ldm()
-    with torch.no_grad():
-        base = unet(x, t, context=ctx)
-        out = {}
-        for matching in ("global", "local"):
-            tome.apply_patch(unet, ratio=0.5, matching=matching, use_rand=False)
-            out[matching] = unet(x, t, context=ctx)
-            tome.remove_patch(unet)
-    dev = {k: float((v - base).norm() / base.norm()) for k, v in out.items()}
-    assert 0 < dev["local"] < 0.5 and 0 < dev["global"] < 0.5
-    assert not torch.equal(out["local"], out["global"]) or dev["local"] == dev["global"]
-
-
-def test_downsample_method_in_unet():
-    import tome
-    unet, (x, t, ctx) = _ldm()
-    with torch.no_grad():
-        base = unet(x, t, context=ctx)
-        tome.apply_patch(unet, method="downsample", downsample_factor=2)
-        out = unet(x, t, context=ctx)
-        assert tome.patch_report(unet).tokens[1] == (256, 256 - 64)
-        tome.remove_patch(unet)
-        assert torch.equal(unet(x, t, context=ctx), base)
-    assert out.shape == base.shape and not torch.equal(out, base)
-
-
-@pytest.mark.parametrize("method", ["merge", "downsample"])
-def test_timestep_window(method):
-    import tome
-    unet, (x, t, ctx) = _ldm()
-    with torch.no_grad():
-        base = unet(x, t, context=ctx)           # t = 500: progress 0.5
-        for (start, end), inside in {(0.0, 1.0): True, (0.4, 0.6): True, (0.0, 0.3): False,
-                                     (0.7, 1.0): False}.items():
-            tome.apply_patch(unet, method=method, start=start, end=end, use_rand=False)
-            out = unet(x, t, context=ctx)
-            tome.remove_patch(unet)
-            assert torch.equal(out, base) != inside, (start, end)
-
-
 def test_float_scan_fallback_where_int64_scans_are_missing(monkeypatch):
     """MPS before macOS 13.3 cannot scan int64: the merge falls back to a float32 scan."""
     g = torch.Generator().manual_seed(8)

@@ -11,8 +11,7 @@ import types
 import pytest
 import tomesd
 import torch
-from models import wake
-from test_core import Wrapper
+from models import Wrapper, wake
 
 import tome
 

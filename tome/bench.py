@@ -1,5 +1,5 @@
-"""``python -m tome.bench`` and the ``tome-bench`` command: the lab's benchmark
-(``tome.lab.bench``; the measuring code lives in ``tome.lab``)."""
+"""``python -m tome.bench`` (and the ``tome-bench`` command): the short, stable name of the
+lab's benchmark, ``tome.lab.bench``. Only an entry point: importing ``tome`` never loads it."""
 
 from __future__ import annotations
 

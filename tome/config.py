@@ -12,9 +12,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# The reduction methods' names. ``methods.register`` adds to it: read it as ``config.METHODS``
-# at the time of use, never copied at import.
+# The reduction methods' names, and each method's object (``methods.py`` registers them: the
+# config asks a method whether settings are active or invalid without importing torch code).
+# Read ``config.METHODS`` at the time of use: registering a method replaces the tuple.
 METHODS: tuple[str, ...] = ("merge", "downsample")
+_RULES: dict[str, Any] = {}
+
+
+def register_method(method: Any) -> None:
+    """Accept ``method.name`` in configs; ``method.active(config)`` and
+    ``method.problem(config)`` give its own rules. Called by ``methods.register``."""
+    global METHODS
+    _RULES[method.name] = method
+    if method.name not in METHODS:
+        METHODS = (*METHODS, method.name)
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
 POLICIES = ("fixed", "auto")
@@ -129,7 +140,7 @@ class ToMeConfig:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
                 or not math.isfinite(self.ratio):
             fail("ratio", "must be a number")
-        problem = _method(self.method).problem(self)
+        problem = _RULES[self.method].problem(self)
         if problem:
             fail(*problem)
         check_ratio("ratio", self.ratio, self.sx, self.sy)
@@ -160,7 +171,7 @@ class ToMeConfig:
     @property
     def active(self) -> bool:
         """False when the settings cannot change the model's output."""
-        return self.start < self.end and _method(self.method).active(self)
+        return self.start < self.end and _RULES[self.method].active(self)
 
     def replace(self, **changes: Any) -> ToMeConfig:
         return dataclasses.replace(self, **changes)
@@ -183,13 +194,6 @@ class ToMeConfig:
 
 #: Every setting's field (name -> ``dataclasses.Field``): its metadata drives UI, API, infotext.
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(ToMeConfig)}
-
-
-def _method(name: str) -> Any:
-    """The method object of ``name``. Imported late: the config stays importable without torch,
-    and each method's own rules stay in ``methods.py``."""
-    from .methods import get
-    return get(name)
 
 
 def choices(name: str) -> tuple:

@@ -194,8 +194,7 @@ def register(method: Method) -> Method:
     """Make ``method`` available under ``method.name`` everywhere: configs accept the name, the
     patch, Forge, the policy, the infotext and the lab use the object."""
     REGISTRY[method.name] = method
-    if method.name not in _config.METHODS:
-        _config.METHODS = (*_config.METHODS, method.name)
+    _config.register_method(method)
     return method
 
 

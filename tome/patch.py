@@ -175,6 +175,30 @@ _X_NAMES = ("x", "hidden_states", "sample")
 _T_NAMES = ("timesteps", "timestep", "t")
 
 
+def context_keyword(block: nn.Module) -> str:
+    """The sub-layers' keyword for the context (and ToDo's keys/values): ldm/sgm ``context``,
+    diffusers ``encoder_hidden_states``."""
+    return "context" if family(block) in ("ldm", "sgm") else "encoder_hidden_states"
+
+
+def reduce_args(method: methods.Method, plan: Any, args: tuple, kwargs: dict,
+                kv_name: str) -> tuple[tuple, dict]:
+    """A sub-layer's arguments with ``plan`` applied: the method's queries as its hidden
+    states, its keys/values (if any) under ``kv_name``."""
+    hidden = _first(args, kwargs, _X_NAMES, 0)
+    queries, kv = method.reduce(plan, hidden)
+    if queries is not hidden:
+        args, kwargs = _set_first(args, kwargs, _X_NAMES, queries)
+    return (args, kwargs) if kv is None else (args, {**kwargs, kv_name: kv})
+
+
+def restore_output(method: methods.Method, plan: Any, out: Any) -> Any:
+    """A sub-layer's output restored by the method (unmerged)."""
+    if isinstance(out, tuple):  # some attention processors return (hidden, extra)
+        return (method.restore(plan, out[0]), *out[1:])
+    return method.restore(plan, out)
+
+
 class _Hooks:
     """The hook functions for one patched UNet, closing over its state. Each hook does one
     thing; the method says what a sub-layer receives and whether its output is restored."""
@@ -218,7 +242,7 @@ class _Hooks:
         values in its context keyword (ldm/sgm ``context``, diffusers
         ``encoder_hidden_states``)."""
         plans, key, method = self.state.plans, id(block), self.method
-        kv_name = "context" if family(block) in ("ldm", "sgm") else "encoder_hidden_states"
+        kv_name = context_keyword(block)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             plan = plans.get(key)
@@ -230,11 +254,7 @@ class _Hooks:
                                      "forward another extension replaced (e.g. Self-Attention "
                                      "Guidance); it needs every token")
                 return None
-            hidden = _first(args, kwargs, _X_NAMES, 0)
-            queries, kv = method.reduce(plan, hidden)
-            if queries is not hidden:
-                args, kwargs = _set_first(args, kwargs, _X_NAMES, queries)
-            return (args, kwargs) if kv is None else (args, {**kwargs, kv_name: kv})
+            return reduce_args(method, plan, args, kwargs, kv_name)
         return hook
 
     def restore(self, block: nn.Module):
@@ -243,11 +263,7 @@ class _Hooks:
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any):
             plan = plans.get(key)
-            if plan is None:
-                return None
-            if isinstance(out, tuple):  # some attention processors return (hidden, extra)
-                return (method.restore(plan, out[0]), *out[1:])
-            return method.restore(plan, out)
+            return None if plan is None else restore_output(method, plan, out)
         return hook
 
 

@@ -6,7 +6,7 @@ matplotlib, pillow, safetensors). One module per job:
 - ``models``: SD1.5 / SD2 / SDXL UNets from their configs with random weights, their inputs,
   ldm attention through SDPA (as the WebUI runs it)
 - ``device``: which device and dtype to run on, and why
-- ``variants``: ``Setting``, one way of running a UNet (ours, tomesd, ceiling, match-only),
+- ``settings``: ``Setting``, one way of running a UNet (ours, tomesd, ceiling, match-only),
   parsed from a spec string and built on ``ToMeConfig``
 - ``timing``: time, peak memory and FLOPs of one call on CPU, CUDA or MPS; torch.compile counters
 - ``run``: the benchmark's interleaved run loop

@@ -9,7 +9,7 @@
 Every setting of a case runs on the same model and inputs, interleaved (A B C, C B A, ...)
 after warm-up; the median is reported. ``--device auto`` takes CUDA, then MPS, then the CPU;
 the dtype defaults to fp16 on GPUs and, on CPUs, to bf16 only where it is native (AMX,
-AVX512-BF16), else fp32. The run loop is ``tome.lab.run``, the settings ``tome.lab.variants``,
+AVX512-BF16), else fp32. The run loop is ``tome.lab.run``, the settings ``tome.lab.settings``,
 the output ``tome.lab.report``.
 """
 
@@ -28,7 +28,7 @@ from .device import DEVICES, device_name, machine, pick_device, pick_dtype
 from .matching import run_matching
 from .models import DTYPES, MODELS, build_case
 from .run import run_benchmark
-from .variants import METHOD_GROUPS, Setting, default_settings
+from .settings import METHOD_GROUPS, Setting, default_settings
 
 CPU_METHODS = "tomesd,merge,merge-local,downsample"
 GPU_METHODS = "ceiling,tomesd,merge,merge-local,downsample,match-only"
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
                         f"always runs; default {CPU_METHODS} on a CPU, {GPU_METHODS} on a GPU)")
     p.add_argument("--ratios", default="0.5", help="merge ratios for tomesd/merge")
     p.add_argument("--factors", default="2", help="downsample factors")
-    p.add_argument("--variant", action="append", default=[],
+    p.add_argument("--setting", action="append", default=[],
                    help="extra setting, e.g. merge:0.5:max_downsample=2, "
                         "tomesd:0.5:max_downsample=2, ceiling, match-only:tomesd (repeatable)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             settings = default_settings((a.methods or (GPU_METHODS if gpu else CPU_METHODS))
                                         .split(","), _floats(a.ratios), _ints(a.factors))
-            settings += [Setting.parse(s) for s in a.variant]
+            settings += [Setting.parse(s) for s in a.setting]
         except ValueError as e:
             p.error(str(e))
         rows: list[dict[str, Any]] = []

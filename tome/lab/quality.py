@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .settings import Setting
 from .timing import Timer
-from .variants import Setting
 
 # ----------------------------------------------------------------------------- metrics
 

@@ -67,7 +67,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         out.append("|" + "---|" * len(head))
         for r in rs:
             gf = "–" if r["flops"] is None else f"{r['flops'] / 1e9:,.0f}"
-            cells = [r["variant"], r["patched"] or "–", _secs(r["median"]), _x(r["speedup"]),
+            cells = [r["setting"], r["patched"] or "–", _secs(r["median"]), _x(r["speedup"]),
                      _x(r["vs_tomesd"]), f"{_secs(r['min'])}–{_secs(r['max'])}", gf,
                      _mib(r["peak"]), f"{r['deviation']:.4f}"]
             if compiled:
@@ -98,8 +98,8 @@ def compile_notes(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         for reason in (r.get("compile") or {}).get("reasons", []):
             seen.setdefault(reason, [])
-            if r["variant"] not in seen[reason]:
-                seen[reason].append(r["variant"])
+            if r["setting"] not in seen[reason]:
+                seen[reason].append(r["setting"])
     for reason, who in seen.items():
         lines.append(f"- graph break in {', '.join(who)}: {reason}")
     return "\n".join(lines)

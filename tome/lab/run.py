@@ -24,7 +24,7 @@ import torch
 
 from . import timing
 from .models import Case, ldm_sdpa
-from .variants import Setting
+from .settings import Setting
 
 
 class Progress:
@@ -135,7 +135,7 @@ def _run_case(case: Case, settings: Sequence[Setting], warmup: int, repeats: int
         rows.append({
             "model": case.model_name, "size": case.size, "dtype": case.dtype,
             "batch": case.batch, "device": case.device.type,
-            "variant": s.label, "group": s.group, "spec": s.spec, "method": s.method,
+            "setting": s.label, "group": s.group, "spec": s.spec, "method": s.method,
             "impl": s.impl, "value": s.value, "options": dict(s.options), "reduction": s.reduction,
             "times": times[i], "median": med, "min": min(times[i], default=math.nan),
             "max": max(times[i], default=math.nan), "flops": flops[i], "peak": peaks[i],

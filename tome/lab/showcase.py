@@ -26,7 +26,7 @@ import torch
 from . import quality, report
 from .device import machine, pick_dtype
 from .models import DTYPES
-from .variants import parse_settings
+from .settings import parse_settings
 
 #: The grid's settings: each method at increasing strength, plus a timestep window.
 DEFAULT_SETTINGS = (

@@ -30,10 +30,25 @@ import torch
 from torch import nn
 
 import tome
+from tome import config as _config
+from tome import methods as _methods
 from tome.config import ToMeConfig
-from tome.patch import block_levels
+from tome.unet import auto_level as _auto_level
+from tome.unet import block_levels, find_unet, known_levels
 
-METHODS = ("baseline", "merge", "downsample", "tomesd", "ceiling", "match-only")
+#: The lab's own methods; the library's (``tome.methods``) come between them: ``methods()``.
+LAB_METHODS = ("tomesd", "ceiling", "match-only")
+
+
+def methods() -> tuple[str, ...]:
+    """Every first word a spec may have: baseline, the library's methods, the lab's."""
+    return ("baseline", *_config.METHODS, *LAB_METHODS)
+
+
+def _library(method: str) -> _methods.Method | None:
+    return _methods.REGISTRY.get(method)
+
+
 #: Method names of ``default_settings`` (``--methods``): each expands to settings.
 METHOD_GROUPS = ("baseline", "ceiling", "tomesd", "merge", "merge-local", "downsample",
                  "match-only")
@@ -46,7 +61,7 @@ _CEILING_ATTR = "_tome_lab_ceiling"
 
 @dataclass(frozen=True)
 class Setting:
-    """A method (see ``METHODS``), its ``ToMeConfig`` and who runs it (``impl``: "tome" for
+    """A method (see ``methods()``), its ``ToMeConfig`` and who runs it (``impl``: "tome" for
     this library, "tomesd" for tomesd 0.1.3). ``options`` are the fields the spec set
     explicitly, for labels; the config holds the full, validated settings."""
 
@@ -65,9 +80,9 @@ class Setting:
         method = parts[0].lower()
         if method == "unmerged":
             method = "baseline"
-        if method not in METHODS:
+        if method not in methods():
             raise ValueError(f"unknown method in setting {spec!r}; choose from "
-                             f"{', '.join(METHODS)}")
+                             f"{', '.join(methods())}")
         value: str | None = None
         raw: dict[str, str] = {}
         for part in parts[1:]:
@@ -97,14 +112,15 @@ class Setting:
                              "(merge:RATIO or downsample:FACTOR), not an option")
         impl = "tome"
         base: dict[str, Any] = {}
-        if method in ("merge", "tomesd"):
+        lib = _library(method)
+        if lib is not None:
+            base["method"] = method
+            if value is not None:
+                base[lib.value_field] = value
+        elif method == "tomesd":
             if value is not None:
                 base["ratio"] = value
-            impl = "tomesd" if method == "tomesd" else "tome"
-        elif method == "downsample":
-            base["method"] = "downsample"
-            if value is not None:
-                base["downsample_factor"] = value
+            impl = "tomesd"
         elif method == "match-only":
             if value is not None and str(value).lower() not in ("tome", "ours", "tomesd"):
                 raise ValueError(f"{where}: the value says whose matching: 'tomesd' or 'ours'")
@@ -129,11 +145,12 @@ class Setting:
         """The spec string that parses back to this setting."""
         if self.method == "baseline":
             return "baseline"
-        c = self.config
-        value = {"merge": f"{c.ratio:g}", "tomesd": f"{c.ratio:g}",
-                 "downsample": str(c.downsample_factor),
-                 "match-only": "tomesd" if self.impl == "tomesd" else "",
-                 "ceiling": ""}[self.method]
+        c, lib = self.config, _library(self.method)
+        if lib is not None:
+            value = _text(getattr(c, lib.value_field))
+        else:
+            value = {"tomesd": f"{c.ratio:g}", "ceiling": "",
+                     "match-only": "tomesd" if self.impl == "tomesd" else ""}[self.method]
         opts = ",".join(f"{k}={_text(v)}" for k, v in self.options)
         return ":".join(p for p in (self.method, value, opts) if p)
 
@@ -148,8 +165,8 @@ class Setting:
         """The method's number: ratio, downsample factor (0 for baseline and ceiling)."""
         if self.method in ("baseline", "ceiling"):
             return 0.0
-        return float(self.config.downsample_factor if self.method == "downsample"
-                     else self.config.ratio)
+        lib = _library(self.method)
+        return float(getattr(self.config, lib.value_field if lib else "ratio"))
 
     @property
     def value_text(self) -> str:
@@ -158,12 +175,13 @@ class Setting:
             return ""
         if self.method == "match-only":
             return "tomesd" if self.impl == "tomesd" else "ours"
-        return f"x{self.config.downsample_factor}" if self.method == "downsample" \
-            else f"{self.config.ratio:g}"
+        lib = _library(self.method)
+        return lib.value_text(self.config) if lib else f"{self.config.ratio:g}"
 
     def _extras(self) -> list[str]:
         """``key=value`` of the options that are neither the value nor the matching."""
-        skip = {"matching", "downsample_factor" if self.method == "downsample" else "ratio"}
+        lib = _library(self.method)
+        skip = {"matching", lib.value_field if lib else "ratio"}
         return [f"{k}={_text(v)}" for k, v in self.options if k not in skip]
 
     def _name(self) -> str:
@@ -195,9 +213,8 @@ class Setting:
             return 0.0
         if self.method == "ceiling":
             return 1.0
-        if self.method == "downsample":
-            return 1.0 - 1.0 / self.config.downsample_factor ** 2
-        return float(self.config.ratio)
+        lib = _library(self.method)
+        return lib.reduction(self.config) if lib else float(self.config.ratio)
 
     # ------------------------------------------------------------------------- running
 
@@ -283,16 +300,8 @@ def default_settings(methods: Sequence[str], ratios: Sequence[float] = (0.5,),
 
 
 def unet_of(model: Any) -> nn.Module:
-    """The UNet inside ``model``: itself, a pipeline's ``.unet`` or an ldm/sgm model's
-    ``.model.diffusion_model``."""
-    if hasattr(model, "down_blocks") or hasattr(model, "input_blocks"):
-        return model
-    if hasattr(model, "unet"):
-        return model.unet
-    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if inner is None:
-        raise TypeError(f"no UNet found in {type(model).__name__}")
-    return inner
+    """The UNet inside ``model`` (the library's reader), a ``TypeError`` if there is none."""
+    return find_unet(model)
 
 
 # ----------------------------------------------------------------------------- tomesd
@@ -318,10 +327,9 @@ def tomesd_target(model: Any) -> Any:
 
 
 def auto_level(model: Any) -> int:
-    """The level ``max_downsample=None`` picks: the highest resolution with transformer
-    blocks (1 on SD1/SD2, 2 on SDXL)."""
-    known = sorted({d for d in block_levels(unet_of(model)).values() if d})
-    return known[0] if known else 1
+    """The level ``max_downsample=None`` picks (the library's rule: 1 on SD1/SD2, 2 on
+    SDXL)."""
+    return _auto_level(None, known_levels(unet_of(model)))
 
 
 # ----------------------------------------------------------------------------- ceiling

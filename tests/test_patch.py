@@ -1,4 +1,5 @@
-"""The core library's contract, checked on real ldm and diffusers UNets against real tomesd."""
+"""``tome.patch`` (the library's hook adapter) on real ldm and diffusers UNets, against real
+tomesd."""
 
 from __future__ import annotations
 
@@ -9,32 +10,21 @@ import warnings
 import pytest
 import tomesd
 import torch
-from models import SD15, TINY_SD15, TINY_SDXL, diffusers_unet, ldm_inputs, ldm_unet
+from models import (
+    SD15,
+    TINY_SD15,
+    TINY_SDXL,
+    Wrapper,
+    diffusers_unet,
+    ldm_inputs,
+    ldm_unet,
+    run,
+    snapshot,
+)
 from torch import nn
 
 import tome
 from tome import merge
-
-
-class Wrapper(nn.Module):
-    """What the WebUI hands over: a model with ``.model.diffusion_model``."""
-
-    def __init__(self, unet):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.diffusion_model = unet
-
-
-def run(unet, x, t, c):
-    out = unet(x, t, c) if hasattr(unet, "input_blocks") else unet(x, t, c).sample
-    return out
-
-
-def snapshot(module: nn.Module):
-    """Everything a patch could leave behind: classes, hooks, instance attributes."""
-    return [(n, type(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
-            for n, m in module.named_modules()]
-
 
 # --------------------------------------------------------------------------- tomesd oracle
 
@@ -389,19 +379,42 @@ def test_sgm_style_block_signature(inputs):
 
 # --------------------------------------------------------------------------- other methods
 
-def test_downsample_method_and_window(sd15, inputs):
+def test_local_matching_runs_in_a_unet_and_changes_little(sd15, inputs):
+    x, t, c = inputs
+    base = run(sd15, x, t, c)
+    out = {}
+    for matching in ("global", "local"):
+        tome.apply_patch(sd15, ratio=0.5, matching=matching, use_rand=False)
+        out[matching] = run(sd15, x, t, c)
+        tome.remove_patch(sd15)
+    dev = {k: float((v - base).norm() / base.norm()) for k, v in out.items()}
+    assert 0 < dev["local"] < 0.5 and 0 < dev["global"] < 0.5
+    assert not torch.equal(out["local"], out["global"])  # local matching picks other pairs
+
+
+def test_downsample_method_reports_and_removes_exactly(sd15, inputs):
     x, t, c = inputs
     base = run(sd15, x, t, c)
     tome.apply_patch(sd15, method="downsample", downsample_factor=2)
-    down = run(sd15, x, t, c)
-    # t=500 is progress 0.5: outside [0, 0.4], inside [0.4, 0.6]
-    tome.apply_patch(sd15, ratio=0.5, start=0.0, end=0.4)
-    outside = run(sd15, x, t, c)
-    tome.apply_patch(sd15, ratio=0.5, start=0.4, end=0.6, use_rand=False)
-    inside = run(sd15, x, t, c)
-    tome.apply_patch(sd15, ratio=0.5, use_rand=False)
-    always = run(sd15, x, t, c)
+    out = run(sd15, x, t, c)
+    h, w = x.shape[-2:]
+    assert tome.patch_report(sd15).tokens[1] == (h * w, h * w - (h // 2) * (w // 2))
     tome.remove_patch(sd15)
-    assert down.shape == base.shape and not torch.equal(down, base)
-    assert torch.equal(outside, base)
-    assert torch.equal(inside, always)
+    assert torch.equal(run(sd15, x, t, c), base)
+    assert out.shape == base.shape and not torch.equal(out, base)
+
+
+@pytest.mark.parametrize("method", ["merge", "downsample"])
+def test_timestep_window(sd15, inputs, method):
+    x, t, c = inputs
+    base = run(sd15, x, t, c)                   # t = 500: progress 0.5
+    always = None
+    for (start, end), inside in {(0.0, 1.0): True, (0.4, 0.6): True, (0.0, 0.3): False,
+                                 (0.7, 1.0): False}.items():
+        tome.apply_patch(sd15, method=method, start=start, end=end, use_rand=False)
+        out = run(sd15, x, t, c)
+        tome.remove_patch(sd15)
+        assert torch.equal(out, base) != inside, (start, end)
+        always = out if always is None else always
+        if inside:
+            assert torch.equal(out, always)

@@ -1,0 +1,104 @@
+"""The package's layering (docs/development.md): each module imports only from its own layer
+or below, there is no import circle, and only the WebUI layer touches the WebUI.
+
+Every import counts, the ones inside functions too: a late import is still a dependency.
+Imports for type annotations only (under ``if TYPE_CHECKING:``) do not run and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
+
+# Bottom to top. A module may import from its own layer and the ones below.
+LAYERS = [
+    ("tome.requirements", "tome.config"),
+    ("tome.merge",),
+    ("tome.methods",),
+    ("tome.policy", "tome.unet"),
+    ("tome.plan",),
+    ("tome.patch", "tome.forge", "tome.measure"),
+    ("tome",),          # the package's public API (__init__)
+    ("tome.webui",),    # and everything under it
+    ("tome.lab", "tome.bench"),
+]
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = ("tome", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The ``tome`` modules ``path`` imports, relative imports resolved."""
+    name = _name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:  # ``from . import merge`` names a module
+                found.add(f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
+    return {m for m in found if m == "tome" or m.startswith("tome.")}
+
+
+def _is_module(name: str) -> bool:
+    rel = pathlib.Path(*name.split(".")[1:])
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+def _layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or (n != "tome" and module.startswith(n + ".")) for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/development.md")
+
+
+GRAPH = {_name(p): _imports(p) - {_name(p)} for p in ROOT.rglob("*.py")}
+
+
+def test_no_upward_import():
+    upward = [f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+              if _layer(d) > _layer(m)]
+    assert not upward, upward
+
+
+def test_no_import_circle():
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        assert m not in path, " -> ".join(path[path.index(m):] + [m])
+        if m in done:
+            return
+        for d in GRAPH.get(m, ()):
+            if d != "tome":  # the package __init__ is the API layer, checked above
+                visit(d, path + [m])
+        done.add(m)
+
+    for m in GRAPH:
+        visit(m, [])
+
+
+def test_only_the_webui_layer_imports_the_webui():
+    outside = [m for m, p in ((_name(p), p) for p in ROOT.rglob("*.py"))
+               if not m.startswith("tome.webui") and "from modules" in p.read_text()]
+    assert not outside, outside
+
+
+def test_torch_minimum_is_one_number():
+    from tome.requirements import MIN_TORCH
+    pyproject = (ROOT.parent / "pyproject.toml").read_text()
+    assert f'"torch>={".".join(map(str, MIN_TORCH))}"' in pyproject

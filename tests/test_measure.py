@@ -1,0 +1,350 @@
+"""tome.measure: timing levels on the user's device, deciding with a margin, caching the answer.
+
+Real small UNets (ldm and diffusers, random weights, zero-initialised outputs randomised);
+decisions are checked with fake clocks, the real CPU clock only has to give positive times.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from models import TINY_SD15, TINY_SDXL, diffusers_unet, ldm_inputs, ldm_unet
+
+import tome
+from tome import measure as M
+from tome.config import ToMeConfig
+from tome.plan import Planner
+from tome.unet import block_levels
+
+LATENT = (16, 16)
+
+
+class FakeClock:
+    """Returns the given seconds in turn (each round: unmerged, plan build, merged) and runs
+    ``fn`` as a real clock would."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = list(seconds), 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.seconds.pop(0)
+
+
+@pytest.fixture(scope="module")
+def ldm():
+    return ldm_unet(TINY_SD15)
+
+
+@pytest.fixture(scope="module")
+def dif():
+    return diffusers_unet("sd15")
+
+
+def row(unmerged, merged, level=1):
+    return M.LevelTiming(level, 4096, 1, 1, unmerged, merged)
+
+
+# ----------------------------------------------------------------------------- deciding
+
+def test_decide_needs_the_margin():
+    assert M.MARGIN == 0.05
+    assert not M.decide(row(1.04, 1.0))
+    assert M.decide(row(1.06, 1.0))
+    assert not M.decide(row(1.0, 1.0))
+    assert M.decide(row(1.0, 1.0), margin=0.0)
+    assert not M.decide(row(1.06, 1.0), margin=0.1)
+
+
+def test_fake_clock_decisions_and_accounting(ldm):
+    """Per level: blocks x block time unmerged; plans x build + blocks x merged time merged.
+    The tiny SD1.5 has 5 blocks at ds1/2/4 (2 encoder, 3 decoder) and 1 at ds8 (middle)."""
+    ms = 1e-3
+    clock = FakeClock([10.4 * ms, 0.0, 10 * ms,      # ds1: 1.04x: not merged
+                       10.6 * ms, 0.0, 10 * ms,      # ds2: 1.06x: merged
+                       10 * ms, 5 * ms, 4 * ms,      # ds4: 50 / (2*5 + 5*4) = 1.67x
+                       1 * ms, 1 * ms, 0.1 * ms])    # ds8: 1 / (1 + 0.1): slower
+    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, warmup=0, clock=clock,
+                  levels=[8, 4, 2, 1])
+    assert clock.calls == 12
+    assert [(r.level, r.tokens, r.blocks, r.plans) for r in m.rows] == \
+        [(1, 256, 5, 2), (2, 64, 5, 2), (4, 16, 5, 2), (8, 4, 1, 1)]
+    ds1, ds2, ds4, ds8 = m.rows
+    assert ds1.unmerged_ms == pytest.approx(52) and ds1.merged_ms == pytest.approx(50)
+    assert ds4.unmerged_ms == pytest.approx(50) and ds4.merged_ms == pytest.approx(30)
+    assert ds8.merged_ms == pytest.approx(1.1)
+    assert m.merged_levels() == (2, 4)
+    assert m.merged_levels(margin=0.0) == (1, 2, 4)
+    lines = m.table().splitlines()
+    assert len(lines) == 2 + 4
+    assert [line.split()[-1] for line in lines[2:]] == ["no", "yes", "yes", "no"]
+
+
+def test_medians_and_plan_counts(ldm):
+    ms = 1e-3
+    # Three rounds of the ds8 block: medians 6, 1 and 3 ms.
+    clock = FakeClock([5 * ms, 1 * ms, 2 * ms, 50 * ms, 9 * ms, 3 * ms, 6 * ms, 0.0, 4 * ms])
+    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=3, warmup=1, clock=clock, levels=[8])
+    assert clock.calls == 9
+    assert m.rows[0].unmerged_ms == pytest.approx(6) and m.rows[0].merged_ms == pytest.approx(4)
+    zero = FakeClock([0.0] * 30)
+    # One plan per block with share="block"; one per grid for ToDo.
+    assert M.measure(ldm, LATENT, 2, ToMeConfig(share="block"), rounds=1, clock=zero,
+                     levels=[1]).rows[0].plans == 5
+    assert M.measure(ldm, LATENT, 2, ToMeConfig(method="downsample"), rounds=1, clock=zero,
+                     levels=[1]).rows[0].plans == 1
+
+
+def test_default_levels():
+    """Up to max_downsample; auto: the first level with transformer blocks."""
+    zero = FakeClock([0.0] * 60)
+    sd15, sdxl = ldm_unet(TINY_SD15), ldm_unet(TINY_SDXL)
+    assert [r.level for r in M.measure(sd15, LATENT, 1, ToMeConfig(), rounds=1,
+                                       clock=zero).rows] == [1]
+    assert [r.level for r in M.measure(sd15, LATENT, 1, ToMeConfig(max_downsample=4),
+                                       rounds=1, clock=zero).rows] == [1, 2, 4]
+    assert [r.level for r in M.measure(sdxl, LATENT, 1, ToMeConfig(), rounds=1,
+                                       clock=zero).rows] == [2]
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        M.measure(sdxl, LATENT, 1, ToMeConfig(), levels=[1])
+
+
+# ----------------------------------------------------------------------------- the real clock
+
+@pytest.mark.parametrize("family", ["ldm", "diffusers"])
+def test_real_clock_table(family, ldm, dif):
+    unet = ldm if family == "ldm" else dif
+    m = M.measure(unet, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 2, 4, 8])
+    assert [r.level for r in m.rows] == [1, 2, 4, 8]
+    assert all(r.unmerged_ms > 0 and r.merged_ms > 0 and r.speedup > 0 for r in m.rows)
+    assert m.dtype == "float32" and m.latent == LATENT and m.batch == 2 and m.device
+    lines = m.table().splitlines()
+    assert len(lines) == 2 + len(m.rows)
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned columns
+    assert M.Measurement.from_json(m.to_json()) == m
+    todo = M.measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
+    assert todo.method == "downsample" and todo.rows[0].merged_ms > 0
+
+
+def test_from_json_rejects_junk():
+    good = M.Measurement("cpu", "float32", (8, 8), 1, "merge", (row(2.0, 1.0),)).to_dict()
+    for bad in ("[]", "{}", json.dumps({**good, "rows": [{"level": 1}]}),
+                json.dumps({**good, "latent": [8]}), json.dumps({**good, "extra": 1}),
+                json.dumps({**good, "rows": [{**good["rows"][0], "merged_ms": -1}]}), "nope"):
+        with pytest.raises(ValueError):
+            M.Measurement.from_json(bad)
+
+
+# ----------------------------------------------------------------------------- no side effects
+
+def _hooks(model):
+    return {name: [list(d.items()) for d in (m._forward_hooks, m._forward_pre_hooks,
+                                             m._forward_hooks_with_kwargs,
+                                             m._forward_pre_hooks_with_kwargs)]
+            for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("family", ["ldm", "diffusers"])
+def test_measuring_leaves_the_model_bit_identical(family):
+    unet = ldm_unet(TINY_SD15) if family == "ldm" else diffusers_unet("sd15")
+    x, t, ctx = ldm_inputs(2, 16, 16)
+    if family == "ldm":
+        tome.apply_patch(unet, ratio=0.5)  # hooks of a live patch must survive
+
+        def run():
+            return unet(x, t, context=ctx)
+    else:
+        def run():
+            return unet(x, t, encoder_hidden_states=ctx, return_dict=False)[0]
+    before = run()
+    weights = {k: v.clone() for k, v in unet.state_dict().items()}
+    hooks = _hooks(unet)
+    first = next(iter(block_levels(unet)))
+    unet.train()
+    first.attn1.eval()  # a mixed pattern of flags, restored exactly
+    flags = {n: m.training for n, m in unet.named_modules()}
+    rng = torch.get_rng_state()
+
+    M.measure(unet, LATENT, 2, ToMeConfig(method="merge", merge_crossattn=True, merge_mlp=True),
+              rounds=1, levels=[1, 8])
+    M.measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert {n: m.training for n, m in unet.named_modules()} == flags
+    assert _hooks(unet) == hooks
+    after = unet.state_dict()
+    assert after.keys() == weights.keys()
+    assert all(torch.equal(after[k], v) for k, v in weights.items())
+    unet.eval()
+    assert torch.equal(run(), before)
+
+
+@pytest.mark.parametrize("family,method", [("ldm", "merge"), ("ldm", "downsample"),
+                                           ("diffusers", "merge")])
+def test_merged_run_is_what_the_patch_runs(family, method):
+    """The representative block under ``_merged`` gives the output the patched UNet's block
+    gives for the same input."""
+    unet = ldm_unet(TINY_SD15) if family == "ldm" else diffusers_unet("sd15")
+    block = next(iter(block_levels(unet)))
+    config = ToMeConfig(method=method, use_rand=False, merge_crossattn=True, max_downsample=1)
+    seen = {}
+
+    def pre(module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+
+    def post(module, args, kwargs, out):
+        seen["out"] = out
+
+    x, t, ctx = ldm_inputs(2, 16, 16)
+    tome.apply_patch(unet, config=config)
+    handles = [block.register_forward_pre_hook(pre, with_kwargs=True),
+               block.register_forward_hook(post, with_kwargs=True)]
+    if family == "ldm":
+        unet(x, t, context=ctx)
+    else:
+        unet(x, t, encoder_hidden_states=ctx)
+    for h in handles:
+        h.remove()
+    tome.remove_patch(unet)
+
+    planner = Planner(config, 1)
+    hidden = seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"]
+    plan = planner.plan(planner.begin(LATENT, hidden.device, t), hidden, False)
+    assert plan is not None
+    with M._merged(block, planner, plan):
+        out = block(*seen["args"], **seen["kwargs"])
+    assert torch.equal(out, seen["out"])
+    assert not torch.equal(block(*seen["args"], **seen["kwargs"]), out)  # it did merge
+
+
+# ----------------------------------------------------------------------------- cache keys
+
+def test_cache_key_parts(ldm, dif, monkeypatch):
+    c = ToMeConfig()
+    key = M.cache_key(ldm, LATENT, 2, c)
+    same = [M.cache_key(ldm, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
+                                                  use_rand=False)),
+            M.cache_key(ldm_unet(TINY_SD15, seed=5), LATENT, 2, c)]  # other weights
+    assert all(k == key for k in same)
+    other = [M.cache_key(ldm, (16, 24), 2, c), M.cache_key(ldm, LATENT, 1, c),
+             M.cache_key(copy.deepcopy(ldm).to(torch.bfloat16), LATENT, 2, c),
+             M.cache_key(dif, LATENT, 2, c),
+             M.cache_key(ldm_unet({**TINY_SD15, "num_heads": 4}), LATENT, 2, c),
+             M.cache_key(ldm, LATENT, 2, c.replace(method="downsample")),
+             M.cache_key(ldm, LATENT, 2, c.replace(ratio=0.3)),
+             M.cache_key(ldm, LATENT, 2, c.replace(max_downsample=2))]
+    monkeypatch.setattr(M, "device_name", lambda device: "Some Other CPU")
+    other.append(M.cache_key(ldm, LATENT, 2, c))
+    assert len({k.digest for k in [key, *other]}) == len(other) + 1
+    parts = key.parts
+    assert parts["latent"] == [16, 16] and parts["batch"] == 2 and parts["dtype"] == "float32"
+    assert parts["torch"] == torch.__version__ and parts["capability"] is None
+    assert parts["attention"].endswith("CrossAttention.forward")
+    assert "seed" not in parts["config"] and "use_rand" not in parts["config"]
+    assert M.cache_key(dif, LATENT, 2, c).parts["attention"].startswith("AttnProcessor")
+
+
+def test_fingerprint_is_architecture_only(ldm, dif):
+    assert M.fingerprint(ldm) == M.fingerprint(ldm_unet(TINY_SD15, seed=3))
+    assert len({M.fingerprint(u) for u in (ldm, dif, ldm_unet(TINY_SDXL))}) == 3
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def _measurement(latent=(16, 16)):
+    return M.Measurement("Test CPU", "float32", latent, 2, "merge", (row(2.0, 1.0),))
+
+
+def _key(latent=(16, 16)):
+    return M.CacheKey.of({"device": "Test CPU", "dtype": "float32", "latent": list(latent),
+                          "batch": 2, "config": {"method": "merge"}})
+
+
+def test_cache_round_trip(tmp_path):
+    said = []
+    cache = M.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
+    assert cache.get(_key()) is None
+    assert cache.put(_key(), _measurement())
+    assert cache.put(_key((8, 8)), _measurement((8, 8)))
+    fresh = M.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
+    assert fresh.get(_key()) == _measurement()
+    assert fresh.get(_key((8, 8))) == _measurement((8, 8))
+    assert fresh.get(_key((4, 4))) is None
+    data = json.loads((tmp_path / "deep" / "m.json").read_text())
+    assert data["format"] == "tome-measurements" and data["version"] == 1
+    assert data["entries"][_key().digest]["parts"]["latent"] == [16, 16]  # readable
+    assert said == [] and [p.name for p in (tmp_path / "deep").iterdir()] == ["m.json"]
+
+
+def _tampered_parts(path):
+    M.MeasurementCache(path, say=print).put(_key(), _measurement())
+    data = json.loads(path.read_text())
+    data["entries"][_key().digest]["parts"]["batch"] = 99
+    return json.dumps(data).encode()
+
+
+def _other_key(path):
+    """A valid entry filed under another key's digest: never used for that key."""
+    M.MeasurementCache(path, say=print).put(_key((8, 8)), _measurement((8, 8)))
+    data = json.loads(path.read_text())
+    entries = data["entries"]
+    entries[_key().digest] = entries.pop(_key((8, 8)).digest)
+    return json.dumps(data).encode()
+
+
+def _wrong_measurement(path):
+    """Parts intact, measurement of another latent."""
+    M.MeasurementCache(path, say=print).put(_key(), _measurement((8, 8)))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00\xff garbage {",
+    b'{"format": "something-else", "version": 1, "entries": {}}',
+    b'["a", "list"]',
+    b'{"format": "tome-measurements", "version": 2, "entries": {}}',
+    _tampered_parts, _other_key, _wrong_measurement,
+], ids=["garbage", "other-format", "list", "wrong-version", "tampered-parts", "other-key",
+        "wrong-measurement"])
+def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
+    path = tmp_path / "m.json"
+    path.write_bytes(content(path) if callable(content) else content)
+    capsys.readouterr()
+    said = []
+    cache = M.MeasurementCache(path, say=said.append)
+    assert cache.get(_key()) is None
+    assert cache.get(_key()) is None
+    assert len(said) == 1 and said[0].startswith("ToMe: ")
+    assert cache.put(_key(), _measurement())
+    assert len(said) == 1
+    data = json.loads(path.read_text())
+    assert data["format"] == "tome-measurements" and data["version"] == 1
+    assert M.MeasurementCache(path, say=said.append).get(_key()) == _measurement()
+    assert len(said) == 1
+
+
+def test_unwritable_cache_does_not_crash(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    said = []
+    cache = M.MeasurementCache(blocker / "sub" / "m.json", say=said.append)
+    assert cache.put(_key(), _measurement()) is False
+    assert cache.put(_key(), _measurement()) is False
+    assert cache.get(_key()) is None
+    assert len(said) == 1 and said[0].startswith("ToMe: ")
+
+
+def test_default_cache_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOME_CACHE_DIR", str(tmp_path / "t"))
+    assert M.default_cache_path() == tmp_path / "t" / "measurements.json"
+    monkeypatch.delenv("TOME_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert M.default_cache_path() == tmp_path / "x" / "tome-sd" / "measurements.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert M.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
+    assert M.MeasurementCache().path == M.default_cache_path()
