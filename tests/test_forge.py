@@ -136,3 +136,41 @@ def test_blocks_whose_attn1_another_patch_replaces_are_left_alone(patcher):
     host["unet"] = ours                   # without SAG the middle block merges
     merged = self_attention_block(ours, x, (2, 4, 32, 32), block=("middle", 0))
     assert not torch.equal(merged, base)
+
+
+def test_a_block_that_would_not_be_merged_is_never_reported_as_skipped(patcher):
+    """reForge's SAG replaces the middle block's attn1; with max_downsample 1 that block would
+    never be merged, so no 'skipped' note may claim otherwise."""
+    ours, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=1))
+    ours.set_model_attn1_replace(lambda q, k, v, extra: F.scaled_dot_product_attention(q, k, v),
+                                 "middle", 0, 0)
+    x = torch.randn(2, 4 * 4, 8)  # the middle block of a 32x32 latent (ds8)
+    self_attention_block(ours, x, (2, 4, 32, 32), block=("middle", 0))
+    assert patch.skipped == []
+
+
+def test_a_replacement_keyed_by_block_name_and_number_counts_too(patcher):
+    """Forge and ldm_patched look a replacement up by (name, number, index), then (name,
+    number)."""
+    ours, patch = forge.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
+    to = ours.model_options["transformer_options"]
+    to.setdefault("patches_replace", {}).setdefault("attn1", {})[("middle", 0)] = print
+    assert patch._replaced(("middle", 0, 0), {})
+
+
+class FluxLike(torch.nn.Module):
+    """A stand-in of the DiTs Forge Neo also runs (Flux, Chroma, Qwen-Image, Lumina, Wan,
+    Z-Image): transformer blocks that are not ``BasicTransformerBlock`` and never call the
+    attn1 patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.double_blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.single_blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+
+
+def test_a_model_without_a_unet_is_refused_and_left_unpatched():
+    dit = Patcher(FluxLike())
+    with pytest.raises(forge.UnsupportedModelError, match="FluxLike is not a UNet"):
+        forge.patch_unet(dit, ToMeConfig(ratio=0.5))
+    assert not dit.patches["attn1_patch"] and getattr(dit, forge.MARK, None) is None

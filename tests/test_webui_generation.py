@@ -227,6 +227,23 @@ def test_forge_model_is_patched_through_its_patcher(capsys):
     assert capsys.readouterr().out.count("ToMe: Forge UNet (attn1 patch), first pass") == 1
 
 
+def test_forge_dit_is_reported_as_not_merged(capsys):
+    """Forge Neo also runs Flux, Chroma, ...: their blocks never call the attn1 patches."""
+    from test_forge import FluxLike, Patcher
+
+    model = tiny_model()
+    model.forge_objects = type("ForgeObjects", (), {})()
+    model.forge_objects.unet = original = Patcher(FluxLike())
+    webui = WebUI(model)
+    res = webui.generate(tome=on(ratio=0.4))
+    assert model.forge_objects.unet is original and not original.patches["attn1_patch"]
+    assert 'ToMe skipped: "FluxLike is not a UNet with transformer blocks' in res.info
+    assert "ToMe ratio" not in res.info and "ToMe auto" not in res.info
+    out = capsys.readouterr().out
+    assert out.count("ToMe: skipped, the image is generated without merging: FluxLike") == 1
+    assert "Forge UNet (attn1 patch)" not in out
+
+
 def test_model_without_transformer_blocks_is_skipped(capsys):
     dit = torch.nn.Module()
     dit.model = torch.nn.Module()

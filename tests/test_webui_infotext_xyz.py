@@ -130,6 +130,19 @@ def test_xyz_bad_values_fail_before_any_cell(webui, label, values, message):
     assert not webui.calls
 
 
+@pytest.mark.parametrize("tome, stride", [({"enabled": True}, "2x2"),
+                                          ({"enabled": True, "sx": 3, "sy": 2}, "3x2")])
+def test_xyz_errors_name_the_request_s_own_stride(webui, tome, stride):
+    with pytest.raises(ValueError, match=f"ratio=1.5: must be in .* for a {stride} stride"):
+        webui.xyz("txt2img", "[ToMe] Ratio", ["1.5"], tome=tome)
+
+
+def test_xyz_ratio_that_only_a_stride_axis_allows_waits_for_its_cell(webui):
+    webui.xyz("txt2img", "[ToMe] Ratio", ["0.85"], tome={"enabled": True, "sx": 4, "sy": 4})
+    with pytest.raises(ValueError, match="ratio=0.85: must be in .* for a 2x2 stride"):
+        webui.xyz("txt2img", "[ToMe] Ratio", ["0.85"], tome={"enabled": True})
+
+
 def test_an_image_from_before_the_policy_pastes_as_fixed(webui):
     old = "a cat\nSteps: 3, Seed: 1, Size: 128x128, ToMe ratio: 0.4, ToMe max downsample: 2"
     pasted = webui.paste("txt2img", old)

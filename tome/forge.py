@@ -21,7 +21,7 @@ import torch
 
 from .config import ToMeConfig
 from .plan import Call, Planner
-from .unet import auto_level, known_levels
+from .unet import UnsupportedModelError, auto_level, known_levels
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
 
@@ -58,9 +58,10 @@ class ForgePatch:
 
     def _replaced(self, block: Any, extra: dict) -> bool:
         """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
-        block's attention map this way): it must see every token, so leave the block alone."""
+        block's attention map this way): it must see every token, so leave the block alone.
+        Forge looks a replacement up by ``(name, number, index)``, then by ``(name, number)``."""
         replace = (extra.get("patches_replace") or {}).get("attn1") or self.replacements()
-        if block not in replace:
+        if block not in replace and block[:2] not in replace:
             return False
         if not any(b == block for b, _ in self.skipped):
             self.skipped.append((block, "attn1 replaced by another patch (e.g. Self-Attention "
@@ -73,7 +74,9 @@ class ForgePatch:
             return n, k, v
         block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
         self._begin(block, n, extra)
-        if self.call is None or self._replaced(block, extra):
+        # Only a block that would be merged can be "skipped" because another patch owns it.
+        if self.call is None or not self.planner.merges(self.call, n.shape[1]) \
+                or self._replaced(block, extra):
             return n, k, v
         self_attention = k is n and v is n
         if "attn1" not in self.method.sub_layers(self.config) \
@@ -112,7 +115,8 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     ``forge_objects.unet``: extensions that run after us clone ours and add their own patches);
     blocks whose attn1 it replaces are left alone. Without it, our clone's are used.
     Idempotent: Forge may call ``process_before_every_sampling`` twice for one pass, and a
-    patcher that already carries our patches is returned unchanged.
+    patcher that already carries our patches is returned unchanged. A model without a UNet
+    (a DiT) raises ``UnsupportedModelError`` and is left alone.
     """
     if getattr(unet_patcher, MARK, None) is not None:
         return unet_patcher, getattr(unet_patcher, MARK)
@@ -120,6 +124,13 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
         return unet_patcher, None
     diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
     known = known_levels(diffusion_model)
+    if not known:
+        # Flux, Chroma, Qwen-Image, Lumina, Wan, Z-Image...: DiTs whose blocks never call the
+        # attn1 patches. Patching them would claim a merge that never happens.
+        name = type(diffusion_model).__name__ if diffusion_model is not None else "no model"
+        raise UnsupportedModelError(
+            f"ToMe: {name} is not a UNet with transformer blocks (a DiT such as Flux, Chroma, "
+            "Qwen-Image, Lumina, Wan or Z-Image); ToMe merges SD1, SD2 and SDXL UNets")
     max_ds = auto_level(config.max_downsample, known)
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)

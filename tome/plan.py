@@ -127,6 +127,11 @@ class Planner:
             return None
         return self.method.plan(self, call, x, ds, h, w, decoder)
 
+    def merges(self, call: Call, tokens: int) -> bool:
+        """Whether a block seeing ``tokens`` tokens is merged in ``call`` (level and policy)."""
+        grid = grid_of(tokens, call.size, self.max_downsample)
+        return grid is not None and self.decision(grid[0], tokens, call.kind).merged
+
     def record(self, ds: int, tokens: int, removed: int) -> None:
         """Report figures, in eager mode only: a compiled graph would guard on the dict."""
         if not merge.compiling():

@@ -27,7 +27,9 @@ SKIPPED = "ToMe skipped"
 AUTO = "ToMe auto"
 # arg name -> infotext key, for every positional argument except ``enabled``.
 KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO, "preset": PRESET}
-ALL_KEYS = (*KEYS.values(), SKIPPED, AUTO)
+# The keys that say how an image was merged (pasting them back turns ToMe on).
+SETTINGS_KEYS = (*KEYS.values(), AUTO)
+ALL_KEYS = (*SETTINGS_KEYS, SKIPPED)
 _LIBRARY = ToMeConfig()
 
 

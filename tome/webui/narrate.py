@@ -118,8 +118,13 @@ class Voice:
             print(f"ToMe: {skipped_text(skipped)}; the other blocks are merged")
 
     def skip_model(self, p: Any, reason: str) -> None:
-        """The model is not merged at all: one console line, one infotext note."""
+        """The model is not merged at all: one console line, one infotext note. While nothing
+        was merged in this generation the infotext claims no ToMe setting either (pasting it
+        back must not turn on a merge the image never had)."""
         if self.skipped is None:
             self.skipped = reason
             print(f"ToMe: skipped, the image is generated without merging: {reason}")
-        p.extra_generation_params[infotext.SKIPPED] = reason
+        params = p.extra_generation_params
+        if not self.announced:
+            params = {k: v for k, v in params.items() if k not in infotext.SETTINGS_KEYS}
+        p.extra_generation_params = {**params, infotext.SKIPPED: reason}

@@ -237,6 +237,9 @@ def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
     original = model.forge_objects.unet
     try:
         unet, patch = forge.patch_unet(original, cfg, lambda: model.forge_objects.unet)
+    except UnsupportedModelError as e:  # a DiT (Flux, Chroma, ...): nothing to merge
+        gen.voice.skip_model(p, str(e).removeprefix("ToMe: "))
+        return
     except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
         gen.voice.skip_model(p, f"patching failed ({type(e).__name__}: {e})")
         return

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..config import choices
-from .script_args import PRESET_CHOICES, XYZ_ATTR, from_dict, invalid
+from ..config import MAX_STRIDE, check_ratio, choices
+from .script_args import PRESET_CHOICES, XYZ_ATTR, invalid, parse_args
 
 PREFIX = "[ToMe] "
 _BOOLS = ["True", "False"]
@@ -41,17 +41,42 @@ def parse_stride(text: Any) -> tuple[int, int]:
 
 
 def confirm(name: str) -> Callable[[Any, list], None]:
-    """Check every value of an axis on its own, with the error the generation would give."""
+    """Check every value of an axis on its own, as the request's own settings with that value
+    laid over them would be checked, so an error names what the user sent. A ratio that only a
+    larger stride allows passes here (a Stride axis may supply it); each cell's generation
+    then checks it against the cell's stride."""
     def check(p: Any, xs: list) -> None:
+        args = _request_args(p)
         for x in xs:
             try:
                 values = _values(name, x)
-                if name in ("ratio", "hr_ratio"):
-                    values.update(sx=4, sy=4)  # the most a 4x4 stride allows; checked later
-                from_dict({"enabled": True, **values})
+                try:
+                    parse_args(args, values)
+                except ValueError:
+                    if name not in ("ratio", "hr_ratio") or not _allowed_by_some_stride(x):
+                        raise
             except ValueError as e:
                 raise invalid(e) from None
     return check
+
+
+def _request_args(p: Any) -> list:
+    """The ToMe script's arguments in the request that the grid runs (empty if not found)."""
+    runner = getattr(p, "scripts", None)
+    script = next((s for s in getattr(runner, "alwayson_scripts", None) or ()
+                   if getattr(s, "title", lambda: "")() == "ToMe"), None)
+    args = getattr(p, "script_args", None)
+    if script is None or args is None:
+        return []
+    return list(args[script.args_from:script.args_to])
+
+
+def _allowed_by_some_stride(x: Any) -> bool:
+    try:
+        check_ratio("ratio", float(x), MAX_STRIDE, MAX_STRIDE)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def axes(xyz: Any) -> list[Any]:
