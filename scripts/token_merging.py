@@ -17,7 +17,7 @@ if _found != _here:
         f"({_here}). Another extension or a pip package named 'tome' was loaded first: "
         "disable that extension or run 'pip uninstall tome' in the WebUI's environment.")
 
-from tome.webui import check_torch, default_ratio, runner, settings_tab, ui, xyz  # noqa: E402
+from tome.webui import check_torch, default_ratio, register_callbacks, runner, ui  # noqa: E402
 
 check_torch()
 
@@ -67,12 +67,9 @@ class ToMeScript(scripts.Script):
         runner.after_generation(p)
 
 
-# Registered here, not in the package: "Reload UI" clears callbacks and re-runs this file only.
+# Registered from here: "Reload UI" clears callbacks and re-runs this file only.
 if DISABLED:
     print("ToMe: disabled for this launch (--tome-disable)")
 else:
-    script_callbacks.on_ui_settings(settings_tab.register)
-    script_callbacks.on_before_ui(xyz.add_axes)
-    script_callbacks.on_model_loaded(runner.on_model_loaded)
-    script_callbacks.on_cfg_denoiser(runner.on_cfg_denoiser)
+    register_callbacks()
 script_callbacks.on_script_unloaded(runner.restore_all)

@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(int(os.environ.get("TOME_TEST_THREADS", "1")))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Measurements go to a fresh folder, never the user's cache."""
+    os.environ["TOME_CACHE_DIR"] = str(tmp_path_factory.mktemp("tome-cache"))
+
+
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
@@ -26,3 +32,13 @@ def inputs():
     """(x, t, context) for ``sd15``: batch 2, a 32x32 latent."""
     from models import ldm_inputs
     return ldm_inputs(2, 32, 32)
+
+
+@pytest.fixture(autouse=True)
+def _webui_thresholds(request, monkeypatch):
+    """WebUI tests decide by the token thresholds (measuring on this CPU takes seconds and
+    gives machine-dependent answers); tests marked ``measure`` measure, with a fake clock."""
+    if "webui" not in request.node.nodeid or request.node.get_closest_marker("measure"):
+        return
+    from tome.webui import runner
+    monkeypatch.setattr(runner, "_measurer", lambda cfg: False)

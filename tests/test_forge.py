@@ -174,3 +174,77 @@ def test_a_model_without_a_unet_is_refused_and_left_unpatched():
     with pytest.raises(forge.UnsupportedModelError, match="FluxLike is not a UNet"):
         forge.patch_unet(dit, ToMeConfig(ratio=0.5))
     assert not dit.patches["attn1_patch"] and getattr(dit, forge.MARK, None) is None
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def forge_unet():
+    """The tiny UNet with Forge's block contract: ``forward(x, context, transformer_options)``
+    calling ``patches["attn1_patch"]`` with (n, k, v) right before attn1 and
+    ``patches["attn1_output_patch"]`` right after (webui-host-contract.md; Forge Classic's
+    ``ldm_patched`` block behaves the same)."""
+    from ldm.modules.attention import BasicTransformerBlock
+
+    class ForgeBlock(BasicTransformerBlock):
+        def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (as Forge)
+            patches = transformer_options.get("patches", {})
+            extra = {k: v for k, v in transformer_options.items()
+                     if k not in ("patches", "patches_replace")}
+            n = self.norm1(x)
+            k = v = n
+            for p in patches.get("attn1_patch", []):
+                n, k, v = p(n, k, v, extra)
+            q = self.attn1.to_q(n)
+            k, v = self.attn1.to_k(k), self.attn1.to_v(v)
+            h = self.attn1.heads
+            split = [t.unflatten(-1, (h, -1)).transpose(1, 2) for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*split).transpose(1, 2).flatten(2)
+            out = self.attn1.to_out(out)
+            for p in patches.get("attn1_output_patch", []):
+                out = p(out, extra)
+            x = x + out
+            x = self.attn2(self.norm2(x), context=context) + x
+            return self.ff(self.norm3(x)) + x
+
+    unet = ldm_unet(TINY_SD15)
+    for m in unet.modules():
+        if type(m) is BasicTransformerBlock:
+            m.__class__ = ForgeBlock
+    return unet
+
+
+def test_run_block_merges_as_the_patched_forge_block_does():
+    from tome.plan import Planner
+
+    unet = forge_unet()
+    block = next(m for m in unet.modules() if type(m).__name__ == "ForgeBlock")
+    x, ctx = torch.randn(2, 256, 32), torch.randn(2, 7, 32)
+    cfg = ToMeConfig(ratio=0.5, use_rand=False)
+    planner = Planner(cfg, 1)
+    plan = planner.plan(planner.begin((16, 16), x.device, None), block.norm1(x))
+    ours, patch = forge.patch_unet(Patcher(unet), cfg)
+    options = {"patches": ours.patches, "original_shape": [2, 4, 16, 16], "block": ("input", 1),
+               "block_index": 0}
+    expected = block(x, context=ctx, transformer_options=options)
+    torch.testing.assert_close(forge.run_block(block, x, ctx, planner, plan), expected)
+    plain = block(x, context=ctx, transformer_options={})
+    assert torch.equal(forge.run_block(block, x, ctx, planner, None), plain)
+
+
+def test_forge_measures_at_the_first_call_of_a_size(tmp_path):
+    from test_plan import fake_clock
+
+    from tome.measure import MeasurementCache, Measurer
+
+    calls, said = [], []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
+                       clock=fake_clock(2.0, calls))
+    ours, patch = forge.patch_unet(Patcher(forge_unet()), ToMeConfig(policy="auto"),
+                                   measurer=service)
+    x = torch.randn(2, 256, 8)
+    out = self_attention_block(ours, x, (2, 4, 16, 16))
+    assert calls and patch.planner.measured[(16, 16)][1][0] == 2.0
+    assert len(said) == 1 and "ToMe: measured 128x128 px, batch 2" in said[0]
+    assert patch.tokens == {1: (256, 128)}  # 256 tokens: merged because it was measured faster
+    calls.clear()
+    assert torch.equal(self_attention_block(ours, x, (2, 4, 16, 16)), out) and not calls

@@ -177,7 +177,7 @@ def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
     assert methods.get("merge").thresholds["cpu"] == 4096
     small = ldm_inputs(2, 16, 16)
     base = sd15(*small)
-    tome.apply_patch(sd15, ratio=0.5, policy="auto")
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=False)
     try:
         assert torch.equal(sd15(*small), base)  # not merged: bit-identical
         (d,) = tome.patch_report(sd15).decisions.values()
@@ -189,6 +189,98 @@ def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
         tome.remove_patch(sd15)
     ref_big = sd15(*big)
     assert not torch.equal(out, ref_big)  # 4096 tokens: merged
+
+
+def fake_clock(speedup: float, calls: list | None = None, run_blocks: bool = True):
+    """A clock under which a merged block runs ``speedup`` times faster (plan builds free).
+    ``run_blocks=False`` skips running the blocks (only plans are built): fast at any size."""
+    def clock(fn):
+        if run_blocks or fn.__name__ == "build":
+            fn()
+        if calls is not None:
+            calls.append(fn.__name__)
+        return {"plain": 1.0, "build": 0.0, "merged": 1.0 / speedup}[fn.__name__]
+    return clock
+
+
+@pytest.mark.parametrize("speedup, merged", [(2.0, True), (1.04, False), (1.06, True),
+                                             (0.8, False)])
+def test_auto_policy_decides_from_measurements(sd15, tmp_path, speedup, merged):
+    from tome.measure import MeasurementCache, Measurer
+
+    x = ldm_inputs(2, 16, 16)  # 256 tokens: below every threshold, so only a measurement merges
+    base = sd15(*x)
+    calls = []
+    said = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=2,
+                       clock=fake_clock(speedup, calls))
+    state = torch.get_rng_state()
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
+    try:
+        out = sd15(*x)
+        again = sd15(*x)
+        (d,) = tome.patch_report(sd15).decisions.values()
+    finally:
+        tome.remove_patch(sd15)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(sd15(*x), base)
+    assert torch.equal(out, again) and torch.equal(out, base) != merged
+    assert d.merged is merged and d.reason.startswith(f"measured {speedup:.2f}x on ")
+    assert len(calls) == 3 * 2 and len(said) == 1 and "ToMe: measured 128x128 px" in said[0]
+    # a new patch of the same model reads the cache: nothing is measured again
+    calls.clear()
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=Measurer(
+        MeasurementCache(tmp_path / "m.json"), say=said.append, clock=fake_clock(9.0, calls)))
+    try:
+        sd15(*x)
+        (d,) = tome.patch_report(sd15).decisions.values()
+    finally:
+        tome.remove_patch(sd15)
+    assert not calls and d.merged is merged
+
+
+def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
+    from tome.measure import MeasurementCache, Measurer
+
+    calls = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), clock=fake_clock(3.0, calls))
+    for kw in ({"policy": "auto", "measure": False}, {"policy": "fixed", "measure": service}):
+        tome.apply_patch(sd15, ratio=0.5, **kw)
+        try:
+            sd15(*ldm_inputs(2, 16, 16))
+            (d,) = tome.patch_report(sd15).decisions.values()
+        finally:
+            tome.remove_patch(sd15)
+        assert d.reason in ("fixed policy", "256 tokens, below the CPU threshold (4096), "
+                            "not merged")
+    assert not calls
+
+
+def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
+    from tome.measure import MeasurementCache, Measurer
+
+    calls = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=lambda s: None, rounds=1,
+                       clock=fake_clock(2.0, calls))
+    x = ldm_inputs(2, 16, 16)
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
+    try:
+        eager = sd15(*x)  # measures
+        measured = len(calls)
+        torch._dynamo.reset()
+        from torch._dynamo.testing import CompileCounter
+        counter = CompileCounter()
+        compiled = torch.compile(sd15, backend=counter, fullgraph=True)
+        out = compiled(*x)
+        out2 = compiled(*ldm_inputs(2, 16, 16, seed=5))
+        assert len(calls) == measured and counter.frame_count == 1
+        torch.testing.assert_close(out, eager)
+        assert out2.shape == out.shape
+        # a size never measured in eager mode is not measured inside the graph either
+        compiled(*ldm_inputs(2, 24, 24))
+        assert len(calls) == measured
+    finally:
+        tome.remove_patch(sd15)
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("kind,tokens,merged", [

@@ -136,12 +136,21 @@ def test_settings_through_override_settings_are_per_request(webui):
 
 def test_infotext_in_the_request_fills_the_script_args(webui):
     first = webui.api("txt2img", request([{"enabled": True, "ratio": 0.3, "use_rand": False,
-                                           "max_downsample": 2}]))
+                                           "max_downsample": 2, "policy": "fixed"}]))
     webui.calls.clear()
     again = webui.api("txt2img", {"infotext": first["info"]})
     assert again["status"] == 200
     assert {(c.config.ratio, c.config.use_rand, c.config.max_downsample)
             for c in webui.calls} == {(0.3, False, 2)}
+    assert again["images"][0].equal(first["images"][0])
+
+
+def test_infotext_of_an_auto_image_that_merged_nothing_turns_tome_off(webui):
+    first = webui.api("txt2img", request([{"enabled": True, "ratio": 0.3}]))
+    assert "ToMe merged: first pass none" in first["info"]
+    webui.calls.clear()
+    again = webui.api("txt2img", {"infotext": first["info"]})
+    assert {c.config for c in webui.calls} == {None}
     assert again["images"][0].equal(first["images"][0])
 
 

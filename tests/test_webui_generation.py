@@ -5,6 +5,7 @@ import torch
 from webui_stub.harness import WebUI, errors, sd_models, sd_unet, shared, tiny_model
 
 import tome
+from tome.webui import script_args as settings
 
 
 @pytest.fixture
@@ -391,7 +392,7 @@ def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys
 def test_a_patch_that_fails_is_one_line_and_an_unmerged_image(webui, monkeypatch, capsys):
     from tome.webui import runner
 
-    def broken(model, config):
+    def broken(model, config, **kwargs):
         raise RuntimeError("unexpected layout")
     monkeypatch.setattr(runner, "apply_patch", broken)
     res = webui.generate(tome=on())
@@ -432,3 +433,104 @@ def test_library_warnings_become_one_console_line(capsys, recwarn):
     out = capsys.readouterr().out
     assert out.count("ToMe: max_downsample=1 merges nothing on this model") == 1
     assert not [w for w in recwarn if "ToMe" in str(w.message)]
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _fake_measurer(monkeypatch, tmp_path, speedup, run_blocks=True):
+    """The WebUI's measuring service with a fake clock and a cache of this test's own."""
+    from test_plan import fake_clock
+
+    from tome.measure import MeasurementCache, Measurer
+    from tome.webui import host, runner
+
+    calls = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), progress=host.show_progress,
+                       rounds=2, warmup=int(run_blocks),
+                       clock=fake_clock(speedup, calls, run_blocks))
+    monkeypatch.setattr(runner, "_measurers", [service])
+    return calls
+
+
+@pytest.mark.measure
+def test_first_generation_at_a_size_measures_and_says_so(monkeypatch, tmp_path, capsys):
+    calls = _fake_measurer(monkeypatch, tmp_path, 2.0)
+    from tome.webui import host, runner
+
+    webui = WebUI()
+    progress = []
+    runner._measurers[0].progress = lambda text: (progress.append(text), host.show_progress(text))
+    res = webui.generate(tome=on(), seed=4)
+    out = capsys.readouterr().out
+    assert out.count("ToMe: measured 128x128 px, batch 2, merge, on ") == 1 and calls
+    line = "first pass 128x128 px: ds1 measured 2.00x on "
+    assert out.count(f"ToMe auto: {line}") == 1 and line in res.info
+    assert "ToMe merged: first pass ds1" in res.info
+    assert progress == ["ToMe: measuring 128x128 px", None]
+    assert passes(webui) == [(False, 0.5)]
+    # the next generation reuses the measurement: no new timing, no new line, same image
+    calls.clear()
+    again = webui.generate(tome=on(), seed=4)
+    assert not calls and "ToMe: measured" not in capsys.readouterr().out
+    assert torch.equal(images(again), images(res)) and again.info == res.info
+
+
+@pytest.mark.measure
+def test_measured_slower_is_not_merged_and_pastes_back_as_off(monkeypatch, tmp_path, capsys):
+    _fake_measurer(monkeypatch, tmp_path, 0.9)
+    webui = WebUI()
+    res = webui.generate(tome=on(), seed=4)
+    assert "ds1 measured 0.90x on " in res.info and "not merged" in res.info
+    assert "ToMe merged: first pass none" in res.info
+    assert torch.equal(images(res), images(webui.baseline(seed=4)))
+    pasted = dict(zip(settings.ARGS, webui.paste("txt2img", res.info)))
+    assert pasted["enabled"] is False
+
+
+@pytest.mark.measure
+def test_pasting_a_measured_image_reproduces_it_without_measuring(monkeypatch, tmp_path):
+    calls = _fake_measurer(monkeypatch, tmp_path, 2.0)
+    webui = WebUI()
+    res = webui.generate(tome=on(), seed=4, enable_hr=True)
+    assert "ToMe merged: first pass ds1 | hires pass ds1" in res.info
+    pasted = webui.paste("txt2img", res.info)
+    cfg = settings.parse_args(pasted).config
+    assert (cfg.policy, cfg.max_downsample) == ("fixed", 1)
+    calls.clear()
+    again = webui.generate(tome=pasted, seed=4, enable_hr=True)
+    assert not calls and torch.equal(images(again), images(res))
+
+
+@pytest.mark.measure
+def test_measuring_off_in_the_settings_uses_the_thresholds(monkeypatch, tmp_path):
+    calls = _fake_measurer(monkeypatch, tmp_path, 2.0)
+    webui = WebUI()
+    shared.opts.tome_measure = False
+    res = webui.generate(tome=on())
+    assert not calls and "below the CPU threshold (4096), not merged" in res.info
+
+
+@pytest.mark.measure
+def test_measure_now_in_the_settings(monkeypatch, tmp_path):
+    from webui_stub.harness import script_callbacks
+
+    from tome.webui import measure_now, runner
+
+    calls = _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
+    WebUI()
+    routes = {}
+    app = type("App", (), {"add_api_route": lambda self, path, fn, methods: routes.update(
+        {path: (fn, methods)})})()
+    script_callbacks._run("app_started", None, app)
+    fn, methods = routes[measure_now.ROUTE]
+    assert methods == ["POST"]
+    page = fn()["html"]
+    assert page.count("<tr>") == 1 + 2 * 3  # header, 2 methods x 3 sizes x 1 level
+    assert "1024x1024</td><td>ds1</td><td>16384</td>" in page and "1.50x" in page
+    assert "<svg" in page and page.count("<polyline") == 2
+    # the generations read what Measure now measured: nothing is timed again at 512 px
+    calls.clear()
+    res = WebUI().generate(tome={"enabled": True}, width=512, height=512, steps=1)
+    assert not calls and "ds1 measured 1.50x on " in res.info
+    assert runner.measuring_service().last is not None
+    assert "tome_measure_now" in shared.opts.data_labels

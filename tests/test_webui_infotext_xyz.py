@@ -43,11 +43,18 @@ def test_paste_restores_every_control(webui, named):
     blank = webui.paste("txt2img", "a dog\nSteps: 3, Seed: 1")  # off, defaults untouched
     assert blank[0] is False
     pasted = webui.paste("txt2img", res.info)
-    restored = settings.parse_args(pasted)
     original = settings.parse_args(args)
     if named.get("method") == "downsample":  # ratio and stride cannot change such an image
         original = original.replace(config=original.config.replace(ratio=0.5))
-    assert restored == original
+    if original.config.policy == "auto":
+        # the auto policy merged nothing at these sizes (CPU thresholds): pasting turns ToMe
+        # off, which reproduces the image, and restores every other control as it was
+        assert "hires pass none" in res.info and "ds1" not in res.info.split("ToMe merged:")[1]
+        assert pasted[0] is False
+        pasted_on = [True, *pasted[1:]]
+        assert settings.parse_args(pasted_on) == original
+    else:
+        assert settings.parse_args(pasted) == original
     for value, default in zip(pasted, ui_args()):  # the UI turns ints into floats, as here
         assert type(value) is type(default) or (type(value), type(default)) == (float, int)
 
@@ -57,7 +64,7 @@ def test_paste_restores_every_control(webui, named):
 
 
 def test_png_info_send_to_img2img_restores_the_img2img_controls(webui):
-    res = webui.generate("img2img", tome=ui_args(ratio=0.35, use_rand=False))
+    res = webui.generate("img2img", tome=ui_args(ratio=0.35, use_rand=False, policy="fixed"))
     pasted = webui.paste("img2img", res.info)
     assert pasted[settings.ARGS.index("ratio")] == 0.35
     assert pasted[settings.ARGS.index("use_rand")] is False and pasted[0] is True

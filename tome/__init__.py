@@ -26,7 +26,8 @@ __all__ = ["ToMeConfig", "PRESETS", "preset", "PatchReport", "UnsupportedModelEr
 def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = None, sx: int = 2,
                 sy: int = 2, use_rand: bool = True, merge_attn: bool = True,
                 merge_crossattn: bool = False, merge_mlp: bool = False, *,
-                config: ToMeConfig | None = None, **extra: Any) -> Any:
+                config: ToMeConfig | None = None, measure: bool | Any = True,
+                **extra: Any) -> Any:
     """Patch ``model`` in place with Token Merging and return it (as ``tomesd.apply_patch``).
 
     ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``),
@@ -39,6 +40,12 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     ``end``. Pass ``config`` (e.g. ``tome.preset("balanced")``) to use a prepared
     ``ToMeConfig`` instead of keywords.
 
+    ``measure`` (``auto`` policy only): at the first call of each latent size (in eager mode,
+    never inside a compiled graph), time each level merged and unmerged on the model's own
+    device and merge only where that is faster (``tome.measure``; cached on disk, see
+    ``tome.measure.default_cache_path``). ``False``: the device kind's token thresholds
+    decide. A ``tome.measure.Measurer`` sets where results go.
+
     Patching again replaces the previous patch (ours or tomesd's). Bad settings raise
     ``ValueError`` and an unsupported model ``UnsupportedModelError`` before anything changes.
     """
@@ -48,7 +55,12 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
                             merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, **extra)
     elif extra:
         config = config.replace(**extra)
-    return _patch.apply(model, config)
+    measurer = None
+    if config.policy == "auto" and measure is not False:
+        from .measure import Measurer
+        service = measure if isinstance(measure, Measurer) else Measurer()
+        measurer = service.for_model(model, config)
+    return _patch.apply(model, config, measurer)
 
 
 def remove_patch(model: Any) -> Any:

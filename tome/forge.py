@@ -35,13 +35,13 @@ class ForgePatch:
     """
 
     def __init__(self, config: ToMeConfig, max_downsample: int, levels: list[int],
-                 replacements: Callable[[], Mapping]):
+                 replacements: Callable[[], Mapping], measurer: Callable | None = None):
         self.config, self.max_downsample = config, max_downsample
         self.levels = levels  # the UNet levels with transformer blocks that may be merged
         # The attn1 replacements of the patcher that samples (Forge keeps ``patches_replace``
         # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
         self.replacements = replacements
-        self.planner = Planner(config, max_downsample)
+        self.planner = Planner(config, max_downsample, measurer)
         self.method = self.planner.method
         self.tokens = self.planner.tokens
         self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
@@ -54,7 +54,7 @@ class ForgePatch:
             self.first = block
         if block == self.first or self.call is None:
             size = tuple(extra["original_shape"][-2:])
-            self.call = self.planner.begin(size, n.device, extra.get("sigmas"))
+            self.call = self.planner.begin(size, n.device, extra.get("sigmas"), n.shape[0])
 
     def _replaced(self, block: Any, extra: dict) -> bool:
         """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
@@ -85,18 +85,45 @@ class ForgePatch:
         plan = self.planner.plan(self.call, n, decoder=block[0] == "output")
         if plan is None:
             return n, k, v
-        queries, kv = self.method.reduce(plan, n)
         if self.method.unmerges:
             self.plan = plan
-        if kv is None:
-            # Self-attention: keys and values are ``n`` too, so they reduce the same way. A
-            # cross-attention attn1 (disable_self_attn) keeps its context: only queries change.
-            return (queries, queries, queries) if self_attention else (queries, k, v)
-        return queries, kv, kv
+        return reduce_attn1(self.method, plan, n, k, v, self_attention)
 
     def attn1_output(self, n: torch.Tensor, extra: dict) -> torch.Tensor:
         plan, self.plan = self.plan, None
         return n if plan is None else self.method.restore(plan, n)
+
+
+def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 self_attention: bool):
+    """What attn1 gets under ``plan``: the method's queries; its keys and values where it has
+    them, else (self-attention) the queries again, or (a cross-attention attn1, i.e.
+    disable_self_attn) the context unchanged."""
+    queries, kv = method.reduce(plan, n)
+    if kv is not None:
+        return queries, kv, kv
+    return (queries, queries, queries) if self_attention else (queries, k, v)
+
+
+def run_block(block: Any, x: torch.Tensor, context: torch.Tensor | None, planner: Planner,
+              plan: Any, where: tuple = ("input", 1)) -> Any:
+    """Run a Forge ``BasicTransformerBlock`` with ``plan`` applied through its patcher
+    contract (``transformer_options["patches"]``), or unmerged when ``plan`` is None: how
+    ``measure`` times Forge's blocks, whose attn1 gets keys and values as arguments."""
+    method, held = planner.method, []
+
+    def attn1(n, k, v, extra):
+        held.append(plan if method.unmerges else None)
+        return reduce_attn1(method, plan, n, k, v, k is n and v is n)
+
+    def attn1_output(n, extra):
+        p = held.pop() if held else None
+        return n if p is None else method.restore(p, n)
+
+    options: dict[str, Any] = {"block": where, "block_index": 0}
+    if plan is not None:
+        options["patches"] = {"attn1_patch": [attn1], "attn1_output_patch": [attn1_output]}
+    return block(x, context=context, transformer_options=options)
 
 
 def attn1_replacements(unet_patcher: Any) -> Mapping:
@@ -107,7 +134,7 @@ def attn1_replacements(unet_patcher: Any) -> Mapping:
 
 
 def patch_unet(unet_patcher: Any, config: ToMeConfig,
-               sampling_patcher: Callable[[], Any] | None = None
+               sampling_patcher: Callable[[], Any] | None = None, measurer: Any = None
                ) -> tuple[Any, ForgePatch | None]:
     """A clone of Forge's ``UnetPatcher`` carrying the ToMe patches, and the patch object.
 
@@ -116,7 +143,9 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     blocks whose attn1 it replaces are left alone. Without it, our clone's are used.
     Idempotent: Forge may call ``process_before_every_sampling`` twice for one pass, and a
     patcher that already carries our patches is returned unchanged. A model without a UNet
-    (a DiT) raises ``UnsupportedModelError`` and is left alone.
+    (a DiT) raises ``UnsupportedModelError`` and is left alone. ``measurer``: a
+    ``measure.Measurer``; with the ``auto`` policy it measures the patcher's UNet (through
+    ``run_block``) at the first call of each size, where Forge has moved it to its device.
     """
     if getattr(unet_patcher, MARK, None) is not None:
         return unet_patcher, getattr(unet_patcher, MARK)
@@ -134,8 +163,10 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     max_ds = auto_level(config.max_downsample, known)
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)
+    measured = measurer.for_model(diffusion_model, config, run_block) \
+        if measurer is not None else None
     patch = ForgePatch(config, max_ds, [d for d in known if d <= max_ds],
-                       lambda: attn1_replacements(current()))
+                       lambda: attn1_replacements(current()), measured)
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)
     setattr(unet, MARK, patch)

@@ -37,11 +37,9 @@ from . import methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .patch import context_keyword, reduce_args, restore_output
+from .policy import MARGIN
 from .unet import auto_level, block_levels, decoder_blocks, find_unet
 
-# A level is merged only where it is measured at least this much faster: timing noise on a busy
-# machine is a few percent, and a wrong "merge" costs quality for nothing.
-MARGIN = 0.05
 CONTEXT_TOKENS = 77  # CLIP's context length: what attn2 sees in every SD model
 FORMAT, VERSION = "tome-measurements", 1
 # The config fields that change the merged cost (less those the method ignores); seed, start,
@@ -73,7 +71,7 @@ class LevelTiming:
 
 def decide(row: LevelTiming, margin: float = MARGIN) -> bool:
     """Merge this level only where it was measured at least ``1 + margin`` times faster."""
-    return row.speedup >= 1.0 + margin
+    return policy.pays(row.speedup, margin)
 
 
 @dataclass(frozen=True)
@@ -369,17 +367,31 @@ def _plan_count(planner: _plan.Planner, call: Any, x: torch.Tensor, blocks: list
     return len({id(p): p for p in plans if p is not None})
 
 
+def hook_runner(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
+                planner: _plan.Planner, plan: Any) -> Any:
+    """Run ``block`` on ``x`` with ``plan`` applied (None: unmerged), as the hook adapter
+    would: temporary hooks on the method's sub-layers."""
+    kw = {} if context is None else {context_keyword(block): context}
+    with _merged(block, planner, plan):
+        return block(x, **kw)
+
+
+Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner, Any], Any]
+
+
 def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
             rounds: int = 5, warmup: int = 1, clock: Clock | None = None,
-            levels: Iterable[int] | None = None) -> Measurement:
+            levels: Iterable[int] | None = None, runner: Runner = hook_runner) -> Measurement:
     """Time each mergeable level of ``model``'s UNet unmerged and merged with ``config``.
 
     Per level, the first transformer block stands for all of them (blocks at one level have
     the same shape). Each round times, in this order: the block unmerged, the plan build (a
     fresh call, as in sampling), the block merged; medians of ``rounds`` after ``warmup``
-    untimed rounds. ``clock(fn) -> seconds`` replaces the device's clock (tests). Runs on the
-    device and dtype of the UNet's blocks, with inputs from a private generator; the model,
-    its hooks, flags and the global RNG state are left exactly as they were.
+    untimed rounds. ``clock(fn) -> seconds`` replaces the device's clock (tests); ``runner``
+    runs a block with or without a plan the way the host does (``hook_runner``, or Forge's
+    patcher contract: ``forge.run_block``). Runs on the device and dtype of the UNet's blocks,
+    with inputs from a private generator; the model, its hooks, flags and the global RNG state
+    are left exactly as they were.
 
     Cost: ``warmup + rounds`` x (two block runs + one plan build) per level; SD1.5 at 512 px
     on a CPU (level 1 only, the default) takes about one UNet forward, hence the cache.
@@ -403,16 +415,19 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
         tokens = policy.level_tokens(latent, level)
         g = torch.Generator().manual_seed(level)
         x = torch.randn(batch, tokens, _channels(block), generator=g).to(device, dtype)
-        kw = {}
+        ctx = None
         if _context_dim(block) is not None:
             ctx = torch.randn(batch, CONTEXT_TOKENS, _context_dim(block), generator=g)
-            kw[context_keyword(block)] = ctx.to(device, dtype)
+            ctx = ctx.to(device, dtype)
         planner = _plan.Planner(cfg, level)
         t = torch.tensor(500.0, device=device)
         built: list[Any] = [None]
 
-        def plain(block=block, x=x, kw=kw):
-            return block(x, **kw)
+        def plain(block=block, x=x, ctx=ctx, planner=planner):
+            return runner(block, x, ctx, planner, None)
+
+        def merged(block=block, x=x, ctx=ctx, planner=planner, built=built):
+            return runner(block, x, ctx, planner, built[0])
 
         def build(planner=planner, t=t, x=x, built=built, device=device):
             built[0] = planner.plan(planner.begin(latent, device, t), x, False)
@@ -424,9 +439,7 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
                 if i == warmup:
                     _sync(device)
                 run = tick if i >= warmup else _untimed
-                sample = [run(plain), run(build)]
-                with _merged(block, planner, built[0]):
-                    sample.append(run(plain))
+                sample = [run(plain), run(build), run(merged)]
                 if i >= warmup:
                     samples.append(sample)
         block_s, plan_s, merged_s = (statistics.median(ts) for ts in zip(*samples))
@@ -536,3 +549,84 @@ class MeasurementCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             return False
+
+
+# ----------------------------------------------------------------------------- measuring lazily
+
+class Measurer:
+    """Measures for the ``auto`` policy when a patched model meets a new size: the service
+    behind ``Planner.measurer``. Results are kept in memory and in the cache file, so each
+    setup is measured once; failures never fail a generation (one console line, then the
+    thresholds decide).
+
+    ``say``: where the one line per measurement goes; ``progress``: called with a short text
+    before measuring and with None after it (the WebUI's progress text).
+    """
+
+    def __init__(self, cache: MeasurementCache | None = None, say: Callable[[str], Any] = print,
+                 progress: Callable[[str], Any] | None = None, rounds: int = 5,
+                 warmup: int = 1, clock: Clock | None = None):
+        self.cache = cache if cache is not None else MeasurementCache(say=say)
+        self.say, self.progress = say, progress
+        self.rounds, self.warmup, self.clock = rounds, warmup, clock
+        self.results: dict[str, Measurement] = {}  # key digest -> measurement
+        self.last: Measurement | None = None
+
+    def get(self, model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+            device: torch.device | None = None, runner: Runner = hook_runner,
+            levels: Iterable[int] | None = None) -> Measurement | None:
+        """The measurement of ``model`` at this size: from memory, the cache, or measured now.
+        None (and one console line) where it cannot be measured: the UNet's blocks are not on
+        ``device`` (the sampling device; --medvram/--lowvram keep them elsewhere until they
+        run), or measuring failed."""
+        try:
+            key = cache_key(model, latent, batch, config, levels=levels)
+            found = self.results.get(key.digest) or self.cache.get(key)
+            if found is None:
+                found = self._measure(model, latent, batch, config, device, runner, levels, key)
+        except Exception as e:  # noqa: BLE001 (the thresholds decide instead)
+            self.say(f"ToMe: could not measure ({type(e).__name__}: {e}); the token "
+                     "thresholds decide")
+            return None
+        if found is not None:
+            self.results[key.digest] = self.last = found
+        return found
+
+    def _measure(self, model, latent, batch, config, device, runner, levels, key):
+        unet = find_unet(model)
+        on = next(unet.parameters()).device
+        if device is not None and torch.device(device) != on:
+            self.say(f"ToMe: not measured: the UNet is on {on}, sampling runs on {device} "
+                     "(--medvram/--lowvram); the token thresholds decide")
+            return None
+        h, w = latent
+        if self.progress is not None:
+            self.progress(f"ToMe: measuring {w * 8}x{h * 8} px")
+        t0 = time.perf_counter()
+        try:
+            m = measure(unet, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
+                        clock=self.clock, levels=levels, runner=runner)
+        finally:
+            if self.progress is not None:
+                self.progress(None)
+        seconds = time.perf_counter() - t0
+        self.cache.put(key, m)
+        rows = ", ".join(f"ds{r.level} {r.speedup:.2f}x "
+                         + ("merged" if decide(r) else "not merged") for r in m.rows)
+        self.say(f"ToMe: measured {w * 8}x{h * 8} px, batch {batch}, {m.method}, on {m.device} "
+                 f"({m.dtype}) in {seconds:.1f} s: {rows or 'no level to merge'}")
+        return m
+
+    def for_model(self, model: Any, config: ToMeConfig, runner: Runner = hook_runner
+                  ) -> Callable[[tuple[int, int], int, torch.device], dict[int, tuple]]:
+        """The ``Planner.measurer`` of one patched model: ``(size, batch, device) ->
+        {level: (speed-up, device name)}``."""
+        def measured(size: tuple[int, int], batch: int, device: torch.device) -> dict:
+            m = self.get(model, size, batch, config, device=device, runner=runner)
+            return {} if m is None else speedups(m)
+        return measured
+
+
+def speedups(m: Measurement) -> dict[int, tuple[float, str]]:
+    """``{level: (speed-up, device name)}``: what the policy reads."""
+    return {r.level: (r.speedup, m.device) for r in m.rows}

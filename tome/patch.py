@@ -81,10 +81,11 @@ class PatchReport:
 
 
 class _State:
-    def __init__(self, config: ToMeConfig, report: PatchReport, decoder: set[nn.Module]):
+    def __init__(self, config: ToMeConfig, report: PatchReport, decoder: set[nn.Module],
+                 measurer: Any = None):
         self.config, self.report = config, report
         self.decoder = decoder  # blocks on the UNet's upsampling side
-        self.planner = _plan.Planner(config, report.max_downsample)
+        self.planner = _plan.Planner(config, report.max_downsample, measurer)
         # The report shows the planner's live figures.
         report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
         self.handles: list[Any] = []
@@ -211,7 +212,8 @@ class _Hooks:
     def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = _first(args, kwargs, _X_NAMES, 0)
         t = _first(args, kwargs, _T_NAMES, 1)
-        self.state.call = self.state.planner.begin(tuple(x.shape[-2:]), x.device, t) \
+        self.state.call = self.state.planner.begin(tuple(x.shape[-2:]), x.device, t,
+                                                   x.shape[0]) \
             if isinstance(x, torch.Tensor) else None
 
     def unet_post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
@@ -269,8 +271,12 @@ class _Hooks:
 
 # ----------------------------------------------------------------------------- public API
 
-def apply(model: Any, config: ToMeConfig) -> Any:
-    """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was."""
+def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
+    """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was.
+
+    ``measurer``: for the ``auto`` policy, ``(size, batch, device) -> {level: (speed-up,
+    device)}``, asked at the first call of each latent size (``measure.Measurer.for_model``).
+    """
     unet = find_unet(model)
     method = methods.get(config.method)
     named = [(n, m) for n, m in unet.named_modules() if is_block(m)]
@@ -313,7 +319,7 @@ def apply(model: Any, config: ToMeConfig) -> Any:
                       f"model (its transformer blocks are at downsample {known}); use "
                       f"max_downsample=None (auto) or >= {known[0]}", stacklevel=3)
 
-    state = _State(config, report, decoder_blocks(unet))
+    state = _State(config, report, decoder_blocks(unet), measurer)
     hooks = _Hooks(state)
     try:
         h = state.handles

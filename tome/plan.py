@@ -21,6 +21,7 @@ the timestep, once per call, and only when a ``start``/``end`` window needs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,10 +66,12 @@ class Call:
     """One UNet call: the latent size, the timestep (left on the device) and the plans shared
     by the blocks of this call."""
 
-    __slots__ = ("size", "timestep", "kind", "plans", "partitions")
+    __slots__ = ("size", "timestep", "kind", "measured", "plans", "partitions")
 
-    def __init__(self, size: tuple[int, int], timestep: Any, kind: str):
+    def __init__(self, size: tuple[int, int], timestep: Any, kind: str,
+                 measured: dict[int, tuple[float, str]] | None = None):
         self.size, self.timestep, self.kind = size, timestep, kind
+        self.measured = measured or {}  # level -> (speed-up, device) measured at this size
         self.plans: dict[tuple, Any] = {}
         self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -76,20 +79,29 @@ class Call:
 class Planner:
     """The plans of one patched model, call after call (see the module docstring)."""
 
-    def __init__(self, config: ToMeConfig, max_downsample: int):
+    def __init__(self, config: ToMeConfig, max_downsample: int,
+                 measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None):
         self.config, self.max_downsample = config, max_downsample
         self.method = methods.get(config.method)
+        # ``auto`` policy: ``measurer(size, batch, device) -> {level: (speed-up, device)}``,
+        # asked once per latent size, in eager mode only (never while compiling a graph).
+        self.measurer = measurer if config.policy == "auto" else None
+        self.measured: dict[tuple[int, int], dict[int, tuple[float, str]]] = {}
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (level, tokens, device kind) -> policy.Decision, filled as levels are met.
+        # (level, tokens, device kind, measured) -> policy.Decision, filled as levels are met.
         self.decisions: dict[tuple[int, int, str], policy.Decision] = {}
         # Filled while running: downsample -> (tokens, tokens removed) of the latest call.
         self.tokens: dict[int, tuple[int, int]] = {}
 
-    def begin(self, size: tuple[int, int], device: torch.device, timestep: Any) -> Call | None:
-        """Start a UNet call on a latent of ``size`` (height, width) on ``device``; None when
-        this step is outside the ``start``/``end`` window (the only place the timestep is read
-        on the host)."""
+    def begin(self, size: tuple[int, int], device: torch.device, timestep: Any,
+              batch: int = 1) -> Call | None:
+        """Start a UNet call on a latent of ``size`` (height, width) on ``device`` with
+        ``batch`` images; None when this step is outside the ``start``/``end`` window (the
+        only place the timestep is read on the host). The first call at a new size measures
+        first (``measurer``)."""
+        size = tuple(size)
+        self.prepare(size, batch, device)
         c = self.config
         if c.start > 0 or c.end < 1:
             if isinstance(timestep, torch.Tensor) and timestep.numel():
@@ -100,14 +112,22 @@ class Planner:
                 t = None
             if t is not None and not c.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= c.end:
                 return None
-        return Call(tuple(size), timestep if c.use_rand else None, policy.device_kind(device))
+        return Call(size, timestep if c.use_rand else None, policy.device_kind(device),
+                    self.measured.get(size))
 
-    def decision(self, level: int, tokens: int, kind: str) -> policy.Decision:
+    def prepare(self, size: tuple[int, int], batch: int, device: torch.device) -> None:
+        """Measure at ``size`` now, if the policy measures and nothing is known yet."""
+        size = tuple(size)
+        if self.measurer is not None and size not in self.measured and not merge.compiling():
+            self.measured[size] = self.measurer(size, batch, device) or {}
+
+    def decision(self, level: int, tokens: int, kind: str,
+                 measured: tuple[float, str] | None = None) -> policy.Decision:
         if merge.compiling():  # a dict filled on the first call would recompile
-            return policy.decide_level(self.config, level, tokens, kind)
-        key = (level, tokens, kind)
+            return policy.decide_level(self.config, level, tokens, kind, measured)
+        key = (level, tokens, kind, measured)
         if key not in self.decisions:
-            self.decisions[key] = policy.decide_level(self.config, level, tokens, kind)
+            self.decisions[key] = policy.decide_level(self.config, level, tokens, kind, measured)
         return self.decisions[key]
 
     def plan(self, call: Call, x: torch.Tensor, decoder: bool = False) -> Any:
@@ -123,14 +143,15 @@ class Planner:
         if grid is None:
             return None
         ds, h, w = grid
-        if not self.decision(ds, N, call.kind).merged:
+        if not self.decision(ds, N, call.kind, call.measured.get(ds)).merged:
             return None
         return self.method.plan(self, call, x, ds, h, w, decoder)
 
     def merges(self, call: Call, tokens: int) -> bool:
         """Whether a block seeing ``tokens`` tokens is merged in ``call`` (level and policy)."""
         grid = grid_of(tokens, call.size, self.max_downsample)
-        return grid is not None and self.decision(grid[0], tokens, call.kind).merged
+        return grid is not None and self.decision(grid[0], tokens, call.kind,
+                                                  call.measured.get(grid[0])).merged
 
     def record(self, ds: int, tokens: int, removed: int) -> None:
         """Report figures, in eager mode only: a compiled graph would guard on the dict."""

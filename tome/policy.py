@@ -6,8 +6,12 @@ about a thousand tokens; on a fast GPU with fused attention (SDPA, xFormers) a 5
 image (4096 tokens at the top level) is faster *without* merging, and the gain starts at
 1024 px. Measurements behind each threshold are in ``docs/speed.md``.
 
-Pure decisions on plain numbers: no model, no tensors, so hosts can say before sampling what
-will happen (console line, infotext) and tests can check every branch without a GPU.
+Two sources, best first: a measurement of this model on this device at this size
+(``measure.py``: a level is merged where it was measured at least ``MARGIN`` faster), else a
+token threshold per device kind (each method's ``thresholds``).
+
+Pure decisions on plain numbers: no model, no tensors, so hosts can say what will happen
+(console line, infotext) and tests can check every branch without a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ from .config import ToMeConfig
 KINDS = ("cpu", "cuda", "mps")
 # Devices without a measurement are treated like the fastest kind: never merged too early.
 FALLBACK = "cuda"
+# A measured level is merged only where it ran at least this much faster: timing noise on a
+# busy machine is a few percent, and a wrong "merge" costs quality for nothing.
+MARGIN = 0.05
+
+
+def pays(speedup: float, margin: float = MARGIN) -> bool:
+    """A measured speed-up that justifies merging: at least ``1 + margin``."""
+    return speedup >= 1.0 + margin
 
 
 def device_kind(device: object) -> str:
@@ -54,10 +66,17 @@ def level_tokens(latent: tuple[int, int], level: int) -> int:
     return math.ceil(h / level) * math.ceil(w / level)
 
 
-def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str) -> Decision:
-    """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``."""
+def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
+                 measured: tuple[float, str] | None = None) -> Decision:
+    """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``;
+    ``measured``: ``(speed-up, device name)`` of this level on this device, if measured."""
     if config.policy == "fixed":
         return Decision(level, tokens, True, "fixed policy")
+    if measured is not None:
+        speedup, device = measured
+        merged = pays(speedup)
+        return Decision(level, tokens, merged, f"measured {speedup:.2f}x on {device}, "
+                        + ("merged" if merged else "not merged"))
     thresholds = methods.get(config.method).thresholds
     threshold = thresholds.get(kind, thresholds.get(FALLBACK, 0))
     if tokens >= threshold:
@@ -68,13 +87,15 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str) -> Deci
 
 
 def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
-           kind: str) -> list[Decision]:
+           kind: str, measured: dict[int, tuple[float, str]] | None = None) -> list[Decision]:
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
 
-    ``fixed`` merges every one of them; ``auto`` only those with at least the device kind's
-    threshold of tokens.
+    ``fixed`` merges every one of them; ``auto`` those measured at least ``MARGIN`` faster
+    (``measured``: level -> (speed-up, device)), the others by the device kind's threshold.
     """
-    return [decide_level(config, lv, level_tokens(latent, lv), kind) for lv in sorted(levels)]
+    measured = measured or {}
+    return [decide_level(config, lv, level_tokens(latent, lv), kind, measured.get(lv))
+            for lv in sorted(levels)]
 
 
 def summary(decisions: list[Decision], latent: tuple[int, int], scale: int = 8) -> str:

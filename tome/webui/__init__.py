@@ -27,3 +27,16 @@ def check_torch() -> None:
     problem = torch_problem(torch.__version__)
     if problem:
         raise ImportError(problem)
+
+
+def register_callbacks() -> None:
+    """The WebUI callbacks: settings, X/Y/Z axes, model loads, each sampling step, the Measure
+    now route. The script file calls this at every load ("Reload UI" clears callbacks)."""
+    from modules import script_callbacks
+
+    from . import measure_now, runner, settings_tab, xyz
+    script_callbacks.on_ui_settings(settings_tab.register)
+    script_callbacks.on_before_ui(xyz.add_axes)
+    script_callbacks.on_model_loaded(runner.on_model_loaded)
+    script_callbacks.on_cfg_denoiser(runner.on_cfg_denoiser)
+    script_callbacks.on_app_started(measure_now.register_api)

@@ -83,6 +83,53 @@ def unsupported(model: Any) -> str | None:
     return None
 
 
+def cache_path() -> Any:
+    """Where measurements are kept: ``$TOME_CACHE_DIR``, else the WebUI's cache folder
+    (``<data dir>/cache/tome/measurements.json``), else the library's default."""
+    import os
+    from pathlib import Path
+
+    from ..measure import default_cache_path
+    if os.environ.get("TOME_CACHE_DIR"):
+        return default_cache_path()
+    try:
+        from modules import paths_internal
+        return Path(paths_internal.data_path) / "cache" / "tome" / "measurements.json"
+    except (ImportError, AttributeError):
+        return default_cache_path()
+
+
+_shown: list[Any] = []
+
+
+def show_progress(text: str | None) -> None:
+    """Show ``text`` as the WebUI's progress text (under the progress bar); None puts back
+    what was there before."""
+    try:
+        from modules import shared
+        if text is None:
+            shared.state.textinfo = _shown.pop() if _shown else None
+        else:
+            _shown[:] = [shared.state.textinfo]
+            shared.state.textinfo = text
+    except (ImportError, AttributeError):
+        pass
+
+
+def load_for_sampling(patcher: Any) -> None:
+    """Forge family: move a UNet patcher's model to its sampling device, as sampling would
+    (Forge and Forge Neo: ``backend.memory_management``; reForge and Forge Classic:
+    ``ldm_patched.modules.model_management``). Best effort: where none answers, measuring
+    says the UNet is not on the device."""
+    for name in ("backend.memory_management", "ldm_patched.modules.model_management"):
+        try:
+            module = __import__(name, fromlist=["load_models_gpu"])
+            module.load_models_gpu([patcher])
+            return
+        except Exception:  # noqa: BLE001,S112 (the next family, or not loaded: said later)
+            continue
+
+
 def model_kind(model: Any) -> str:
     """``SDXL``, ``SD2``, ``SD1`` from the WebUI's model flags, or ''."""
     return next((k for k, flag in (("SDXL", "is_sdxl"), ("SD2", "is_sd2"), ("SD1", "is_sd1"))

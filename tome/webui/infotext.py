@@ -22,13 +22,17 @@ CONFIG_KEYS = {name: FIELDS[name].metadata["infotext"] for name in S.CONFIG_KEYS
 PRESET = "ToMe preset"
 HIRES_ONLY = "ToMe hires only"
 HR_RATIO = "ToMe hr ratio"
-# Notes, not settings: why a model or some blocks were left alone; what the auto policy chose.
+# Notes, not settings: why a model or some blocks were left alone; what the auto policy chose
+# and why; which levels it merged per pass (pasting reads that back as fixed settings, so the
+# image reproduces on any machine, whatever that machine would measure).
+PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
 SKIPPED = "ToMe skipped"
 AUTO = "ToMe auto"
+MERGED = "ToMe merged"
 # arg name -> infotext key, for every positional argument except ``enabled``.
 KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO, "preset": PRESET}
 # The keys that say how an image was merged (pasting them back turns ToMe on).
-SETTINGS_KEYS = (*KEYS.values(), AUTO)
+SETTINGS_KEYS = (*KEYS.values(), AUTO, MERGED)
 ALL_KEYS = (*SETTINGS_KEYS, SKIPPED)
 _LIBRARY = ToMeConfig()
 
@@ -63,6 +67,46 @@ def has_tome(params: Mapping[str, Any]) -> bool:
     return any(k in params for k in KEYS.values())
 
 
+def merged_text(merged: Mapping[str, list[int]]) -> str:
+    """``first pass none | hires pass ds1``: the levels the auto policy merged per pass."""
+    return " | ".join(f"{PASS_LABELS[name]} " + (", ".join(f"ds{lv}" for lv in levels)
+                                                  or "none") for name, levels in merged.items())
+
+
+def _merged_levels(params: Mapping[str, Any]) -> list[list[int]] | None:
+    """The levels the auto policy merged in each pass, from ``MERGED``; None without it."""
+    if MERGED not in params or str(params.get(CONFIG_KEYS["policy"], "")).lower() != "auto":
+        return None
+    out = []
+    for part in str(params[MERGED]).split("|"):
+        part = part.strip()
+        label = next((v for v in PASS_LABELS.values() if part.startswith(v)), "")
+        out.append(sorted(int(w.strip()[2:]) for w in part[len(label):].split(",")
+                          if w.strip().startswith("ds") and w.strip()[2:].isdigit()))
+    return out
+
+
+def as_made(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The settings that reproduce an image made with the ``auto`` policy: the levels it merged
+    (``MERGED``) as ``fixed`` settings, whatever this machine would measure. ``max_downsample``
+    is the deepest level merged; a first pass that merged nothing before a hires pass that did
+    is ``hires only``. (Where nothing was merged at all, ToMe is turned off: ``enabled``.)"""
+    levels = _merged_levels(params)
+    merged = [lv for lvs in levels or () for lv in lvs]
+    if not merged:
+        return params
+    out = {**params, CONFIG_KEYS["policy"]: "fixed", CONFIG_KEYS["max_downsample"]: max(merged)}
+    if len(levels) > 1 and not levels[0]:
+        out[HIRES_ONLY] = True
+    return out
+
+
+def _enabled(params: Mapping[str, Any]) -> bool:
+    """Any ToMe key, and, for an auto image, a level it merged."""
+    levels = _merged_levels(params)
+    return has_tome(params) and (levels is None or any(levels))
+
+
 def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
     """A paste-field function for the control of ``name`` (an entry of ``settings.ARGS``).
 
@@ -70,12 +114,13 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
     which would make the string "False" true), or None to leave the control alone.
     """
     if name == "enabled":
-        return has_tome
+        return _enabled
     if name == "preset":
-        return _read_preset
+        return lambda params: _read_preset(as_made(params))
     key = KEYS[name]
 
     def read(params: Mapping[str, Any]) -> Any:
+        params = as_made(params)
         if not has_tome(params):
             return None
         raw = params.get(key)

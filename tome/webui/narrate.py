@@ -16,7 +16,7 @@ from .. import methods, policy
 from ..config import ToMeConfig
 from . import infotext
 
-PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
+PASS_LABELS = infotext.PASS_LABELS
 
 _said_builtin = False
 
@@ -75,6 +75,7 @@ class Voice:
     skipped: str | None = None         # why the model is not merged at all
     said: set[str] = field(default_factory=set)         # notes printed once per generation
     auto: dict[str, str] = field(default_factory=dict)  # pass -> what the auto policy chose
+    merged: dict[str, list[int]] = field(default_factory=dict)  # pass -> levels it merged
 
     def say(self, line: str) -> None:
         if line not in self.said:
@@ -98,14 +99,19 @@ class Voice:
         print(line)
 
     def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, levels: list[int],
-                    latent: tuple[int, int], kind: str) -> None:
-        """Once per pass: what the auto policy does and why (console and infotext)."""
+                    latent: tuple[int, int], kind: str,
+                    measured: dict[int, tuple[float, str]] | None = None) -> None:
+        """Once per pass: what the auto policy does and why (console and infotext), and which
+        levels it merged (infotext: pasting reproduces the image on any machine)."""
         if cfg.policy != "auto" or name in self.auto:
             return
-        text = policy.summary(policy.decide(cfg, latent, levels, kind), latent)
-        self.auto[name] = f"{PASS_LABELS[name]} {text}"
+        decisions = policy.decide(cfg, latent, levels, kind, measured)
+        self.auto[name] = f"{PASS_LABELS[name]} {policy.summary(decisions, latent)}"
+        self.merged[name] = [d.level for d in decisions if d.merged]
         print(f"ToMe auto: {self.auto[name]}")
-        p.extra_generation_params[infotext.AUTO] = " | ".join(self.auto.values())
+        params = p.extra_generation_params
+        params[infotext.AUTO] = " | ".join(self.auto.values())
+        params[infotext.MERGED] = infotext.merged_text(self.merged)
 
     def skipped_blocks(self, p: Any, skipped: list[tuple[Any, str]]) -> None:
         """Blocks another extension has taken over are left alone: one infotext note, and one

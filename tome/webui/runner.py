@@ -22,6 +22,8 @@ from typing import Any
 
 from .. import apply_patch, is_patched, patch_report, policy, remove_patch
 from ..config import ToMeConfig
+from ..measure import MeasurementCache, Measurer
+from ..patch import state_of
 from ..unet import UnsupportedModelError
 from . import host, infotext, narrate
 from . import script_args as A
@@ -29,6 +31,7 @@ from . import script_args as A
 GEN_ATTR = "_tome_generation"
 
 _patched: weakref.WeakSet = weakref.WeakSet()
+_measurers: list[Measurer] = []
 
 
 @dataclass
@@ -45,6 +48,8 @@ class Generation:
     voice: narrate.Voice = field(default_factory=narrate.Voice)
     forge_patches: list[Any] = field(default_factory=list, repr=False)
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
+    # pass -> what its auto note needs, until the planner has measured the pass's size
+    pending: dict[str, tuple] = field(default_factory=dict, repr=False)
 
     def pass_name(self, p: Any) -> str:
         if self.img2img:
@@ -122,7 +127,7 @@ def before_sampling(p: Any, x: Any = None) -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                apply_patch(model, config=cfg)
+                apply_patch(model, config=cfg, measure=_measurer(cfg))
             notes = narrate.library_notes(caught)
         except UnsupportedModelError as e:
             reason = str(e).removeprefix("ToMe: ")
@@ -142,7 +147,7 @@ def before_sampling(p: Any, x: Any = None) -> None:
                       cfg.seed if c.method == "merge" and c.use_rand else None)
     for note in notes:
         gen.voice.say(note)
-    _auto_choice(p, gen, name, cfg, sorted(report.levels), x, model)
+    _auto_choice(p, gen, name, cfg, sorted(report.levels), x, model, state_of(model).planner)
 
 
 def after_batch(p: Any) -> None:
@@ -150,6 +155,7 @@ def after_batch(p: Any) -> None:
     gen: Generation | None = getattr(p, GEN_ATTR, None)
     if gen is not None:
         _forge_skips(p, gen)
+        _auto_notes(p, gen)
 
 
 def after_generation(p: Any) -> None:
@@ -164,6 +170,7 @@ def on_cfg_denoiser(params: Any) -> None:
     if gen is None or not gen.ready or gen.voice.skipped is not None:
         return
     _forge_skips(p, gen)
+    _auto_notes(p, gen)
     model = host.current_model(p)
     last = gen.last_model() if gen.last_model is not None else None
     if model is not None and model is not last:
@@ -210,10 +217,42 @@ def _with_options(settings: A.ScriptSettings, xyz: dict[str, Any]) -> A.ScriptSe
     return settings.replace(hires_only=hires_only, hr_ratio=hr_ratio)
 
 
+def measuring_service() -> Measurer:
+    """The process's one measuring service: its results and cache file are shared by every
+    generation and by Settings > ToMe > Measure now."""
+    if not _measurers:
+        _measurers.append(Measurer(MeasurementCache(host.cache_path()),
+                                   progress=host.show_progress))
+    return _measurers[0]
+
+
+def _measurer(cfg: ToMeConfig) -> Measurer | bool:
+    """The measuring service, or False where the policy does not measure or the setting
+    turned measuring off."""
+    if cfg.policy != "auto" or not bool(getattr(host.opts(), "tome_measure", True)):
+        return False
+    return measuring_service()
+
+
 def _auto_choice(p: Any, gen: Generation, name: str, cfg: ToMeConfig, levels: list[int],
-                 x: Any, model: Any) -> None:
+                 x: Any, model: Any, planner: Any) -> None:
+    """The auto policy's note for this pass: now, or, where the planner measures this size at
+    its first UNet call (on the device it samples on), as soon as that is done."""
+    if cfg.policy != "auto" or name in gen.voice.auto:
+        return
+    latent = host.latent_size(p, name, x)
     kind = policy.device_kind(host.compute_device(model, x))
-    gen.voice.auto_choice(p, name, cfg, levels, host.latent_size(p, name, x), kind)
+    gen.pending[name] = (cfg, levels, latent, kind, planner)
+    _auto_notes(p, gen)
+
+
+def _auto_notes(p: Any, gen: Generation) -> None:
+    """Write the pending auto notes whose decisions are known."""
+    for name, (cfg, levels, latent, kind, planner) in list(gen.pending.items()):
+        if planner.measurer is None or latent in planner.measured:
+            del gen.pending[name]
+            gen.voice.auto_choice(p, name, cfg, levels, latent, kind,
+                                  planner.measured.get(latent))
 
 
 def _forge_skips(p: Any, gen: Generation) -> None:
@@ -235,8 +274,10 @@ def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
     """Forge rebuilds its UNet patcher before every pass: add our patches to that pass's clone."""
     from .. import forge
     original = model.forge_objects.unet
+    measurer = _measurer(cfg)
     try:
-        unet, patch = forge.patch_unet(original, cfg, lambda: model.forge_objects.unet)
+        unet, patch = forge.patch_unet(original, cfg, lambda: model.forge_objects.unet,
+                                       measurer or None)
     except UnsupportedModelError as e:  # a DiT (Flux, Chroma, ...): nothing to merge
         gen.voice.skip_model(p, str(e).removeprefix("ToMe: "))
         return
@@ -251,4 +292,4 @@ def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
     gen.voice.summary("Forge UNet (attn1 patch),", gen.passes,
                       f"{narrate.what(cfg)} at downsample <= {patch.max_downsample}",
                       seed=cfg.seed)
-    _auto_choice(p, gen, name, cfg, patch.levels, x, model)
+    _auto_choice(p, gen, name, cfg, patch.levels, x, model, patch.planner)

@@ -16,6 +16,11 @@ def register() -> None:
     from modules import shared
 
     options = {
+        "tome_measure": shared.OptionInfo(
+            True, "Auto policy: measure on this device at each new image size").info(
+            "the first generation at a new size times each level merged and unmerged (about "
+            "one step, once: the results are cached) and merges only where that is faster; "
+            "off: fixed token thresholds per device kind decide"),
         "tome_hires_only": shared.OptionInfo(
             False, "Merge only in the hires-fix pass, in every txt2img generation").info(
             "on when this or the accordion's 'Only in hires fix' is on; the first pass then "
@@ -25,9 +30,18 @@ def register() -> None:
             {"minimum": 0.0, "maximum": round(ratio_limit(MAX_STRIDE, MAX_STRIDE), 2),
              "step": 0.01}).info(f"0 = same as the first pass; must not exceed {RATIO_RULE}"),
     }
+    if hasattr(shared, "OptionHTML"):  # WebUI >= 1.6 and every Forge
+        options["tome_measure_now"] = shared.OptionHTML(
+            "<button class='lg secondary gradio-button' onclick='tomeMeasureNow(this)'>Measure "
+            "now</button> times the loaded model on this device at its usual first-pass and "
+            "hires sizes, merged and unmerged, per method (SD1/SD2: 512 to 1024 px; SDXL: 1024 "
+            "and 1536 px; a minute or more on a CPU). The generations then read these "
+            "results.<div id='tome_measure_result'></div>")
     for key, info in options.items():
         info.section = SECTION
         shared.opts.add_option(key, info)
+        if getattr(info, "do_not_save", False):  # the button's text, not a setting
+            continue
         # The WebUI restores a request's override_settings afterwards only for keys present in
         # its config data; without this a per-request value would stick until the next restart.
         shared.opts.data.setdefault(key, info.default)

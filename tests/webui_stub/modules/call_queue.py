@@ -3,8 +3,12 @@ and shown to the user as ``<div class='error'>ClassName: message</div>`` in plac
 images' HTML info (contract: the UI's call wrapper)."""
 
 import html
+import threading
 
 from modules import errors
+
+# The WebUI runs one job at a time under this lock (a FIFO lock in the WebUI).
+queue_lock = threading.Lock()
 
 
 def wrap_gradio_call(func):

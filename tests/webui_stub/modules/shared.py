@@ -15,6 +15,14 @@ class OptionInfo:
         return self
 
 
+class OptionHTML(OptionInfo):
+    """Static HTML in the settings page (WebUI >= 1.6): its text is the default, never saved."""
+
+    def __init__(self, text):
+        super().__init__(str(text).strip(), label="")
+        self.do_not_save = True
+
+
 class Options:
     def __init__(self):
         object.__setattr__(self, "data", {})
