@@ -427,12 +427,27 @@ def test_forge_blocks_replaced_by_another_patch_are_reported_once(capsys):
     assert "ToMe auto: first pass 128x128 px: ds1 256 tokens, below the CPU threshold" in out
 
 
-def test_library_warnings_become_one_console_line(capsys, recwarn):
+def test_settings_that_merge_nothing_say_so_and_claim_no_merge(capsys, recwarn):
     webui = WebUI(tiny_model("sdxl"))
-    webui.generate(tome=on(max_downsample="1"), n_iter=2)
+    res = webui.generate(tome=on(max_downsample="1"), n_iter=2)
     out = capsys.readouterr().out
-    assert out.count("ToMe: max_downsample=1 merges nothing on this model") == 1
+    assert out.count("ToMe: skipped, the image is generated without merging: max_downsample=1 "
+                     "merges nothing on this model (its transformer blocks are at downsample "
+                     "[2, 4])") == 1
+    assert "ToMe skipped: \"max_downsample=1 merges nothing" in res.info
+    assert "ToMe ratio" not in res.info and not tome.is_patched(shared.sd_model)
     assert not [w for w in recwarn if "ToMe" in str(w.message)]
+
+
+def test_forge_settings_that_merge_nothing_say_so():
+    from test_forge import Patcher
+
+    model = tiny_model("sdxl")
+    model.forge_objects = type("ForgeObjects", (), {})()
+    model.forge_objects.unet = original = Patcher(model.model.diffusion_model)
+    res = WebUI(model).generate(tome=on(max_downsample="1"))
+    assert model.forge_objects.unet is original
+    assert "ToMe skipped: \"max_downsample=1 merges nothing" in res.info
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -21,7 +21,7 @@ import torch
 
 from .config import ToMeConfig
 from .plan import Call, Planner
-from .unet import UnsupportedModelError, auto_level, known_levels
+from .unet import UnsupportedModelError, auto_level, known_levels, nothing_to_merge
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
 
@@ -160,6 +160,9 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
         raise UnsupportedModelError(
             f"ToMe: {name} is not a UNet with transformer blocks (a DiT such as Flux, Chroma, "
             "Qwen-Image, Lumina, Wan or Z-Image); ToMe merges SD1, SD2 and SDXL UNets")
+    nothing = nothing_to_merge(config.max_downsample, known)
+    if nothing:
+        raise UnsupportedModelError(nothing)
     max_ds = auto_level(config.max_downsample, known)
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)

@@ -37,6 +37,7 @@ from .unet import (
     family,
     find_unet,
     is_block,
+    nothing_to_merge,
 )
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
@@ -314,10 +315,9 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
         # warnings shows an identical message once, so hosts re-applying per pass do not spam.
         warnings.warn(f"ToMe: skipped {len(report.skipped)} of {len(blocks)} block(s): "
                       f"{report.skipped[0][1]}", stacklevel=3)
-    if config.max_downsample is not None and known and not report.levels:
-        warnings.warn(f"ToMe: max_downsample={config.max_downsample} merges nothing on this "
-                      f"model (its transformer blocks are at downsample {known}); use "
-                      f"max_downsample=None (auto) or >= {known[0]}", stacklevel=3)
+    nothing = nothing_to_merge(config.max_downsample, known)
+    if nothing:
+        warnings.warn(nothing, stacklevel=3)
 
     state = _State(config, report, decoder_blocks(unet), measurer)
     hooks = _Hooks(state)

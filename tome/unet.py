@@ -104,6 +104,16 @@ def auto_level(max_downsample: int | None, levels: list[int] | set[int]) -> int:
     return known[0] if known else 1
 
 
+def nothing_to_merge(max_downsample: int | None, levels: list[int]) -> str | None:
+    """Why an explicit ``max_downsample`` merges no block of a UNet with transformer blocks at
+    ``levels``, or None."""
+    if max_downsample is None or not levels or any(d <= max_downsample for d in levels):
+        return None
+    return (f"ToMe: max_downsample={max_downsample} merges nothing on this model (its "
+            f"transformer blocks are at downsample {levels}); use max_downsample=None (auto) "
+            f"or >= {levels[0]}")
+
+
 def decoder_blocks(unet: nn.Module) -> set[nn.Module]:
     """The transformer blocks on the upsampling side (ldm/sgm ``output_blocks``, diffusers
     ``up_blocks``)."""

@@ -139,6 +139,13 @@ def before_sampling(p: Any, x: Any = None) -> None:
         return
     _patched.add(model)
     report = patch_report(model)
+    if not report.patched_blocks:  # e.g. max_downsample 1 on SDXL: say so, claim no merge
+        _unpatch(model)
+        reason = next((n for n in notes if "merges nothing" in n), None) or (
+            f"every block skipped: {report.skipped[0][1]}" if report.skipped
+            else "no transformer block at the levels to merge")
+        gen.voice.skip_model(p, reason.removeprefix("ToMe: "))
+        return
     gen.voice.skipped_blocks(p, report.skipped)
     kind = host.model_kind(model)
     c = report.config
