@@ -4,10 +4,13 @@ the run loop, tables (the real measurements are in docs/speed.md)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import tome
 from tome.config import ToMeConfig
 from tome.lab import bench, device, models, report, run, timing
 from tome.lab import settings as lab_settings
@@ -238,8 +241,8 @@ def test_gpu_defaults_without_a_gpu(monkeypatch):
     assert seen["cases"] == [("sd15", 512, "fp16"), ("sd15", 1024, "fp16"),
                              ("sdxl", 512, "fp16"), ("sdxl", 1024, "fp16")]
     assert seen["settings"] == ["unmerged", "ceiling", "tomesd 0.5", "merge 0.5",
-                                "merge local 0.5", "downsample x2", "match-only",
-                                "match-only tomesd"]
+                                "merge local 0.5", "downsample x2", "merge 0.5 policy=auto",
+                                "match-only", "match-only tomesd"]
     assert seen["repeats"] == 10
 
 
@@ -365,6 +368,7 @@ class _Hooked:
     """A Setting-like patch: a forward pre-hook on the toy's layer."""
 
     method, impl, value, options, reduction, unmerged = "merge", "tome", 0.5, (), 0.5, False
+    config = None
 
     def __init__(self, label, hook):
         self.label = self.group = self.spec = label
@@ -455,3 +459,36 @@ def test_cli_matching_and_shim(capsys):
                        "--no-progress", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "faster than tomesd" in out and "Device: " in out and "dtype " in out
+
+
+def test_profiler_says_nothing_on_stderr():
+    """torch 2.13's CPU profiler prints USDT profiler_start/stop lines from C++ (fd 2)."""
+    code = ("import torch\nfrom tome.lab.timing import peak_memory\nr = {}\n"
+            "with peak_memory(r, 'cpu'):\n    torch.ones(64, 64) @ torch.ones(64, 64)\n"
+            "print(r['peak'] > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True" and "USDT" not in out.stderr and "profiler" not in \
+        out.stderr
+
+
+def test_sweep_compares_measured_decisions_with_unet_calls():
+    from models import TINY_SD15, ldm_unet
+
+    from tome.lab import sweep
+    from tome.lab.models import Case
+
+    unet = ldm_unet(TINY_SD15)
+    g = torch.Generator().manual_seed(0)
+    case = Case("sd15", 128, model=unet, inputs={
+        "x": torch.randn(2, 4, 16, 16, generator=g), "t": torch.full((2,), 500.0),
+        "ctx": torch.randn(2, 7, 32, generator=g)})
+    rows = sweep.sweep_case(case, ToMeConfig(max_downsample=2), repeats=1, rounds=1,
+                            timer=timing.Timer("cpu"))
+    assert [r["level"] for r in rows] == [1, 2, "auto"]
+    assert all(r["actual"] > 0 and r["measured"] > 0 for r in rows[:2])
+    assert rows[-1]["overhead"] > 0 and set(rows[-1]["merged"]) <= {1, 2}
+    summary = sweep.summarise(rows)
+    assert summary["cases"] == 2 and 0 <= summary["agreement"] <= 1
+    assert "| sd15 | 128 | ds1 | 256 |" in sweep.table(rows)
+    assert not tome.is_patched(unet)

@@ -23,16 +23,19 @@ LATENT = (16, 16)
 
 
 class FakeClock:
-    """Returns the given seconds in turn (each round: unmerged, plan build, merged) and runs
-    ``fn`` as a real clock would."""
+    """Returns the given seconds in turn, given per round as (unmerged, plan build, merged)
+    whatever order the rounds run them in, and runs ``fn`` as a real clock would."""
 
     def __init__(self, seconds):
-        self.seconds, self.calls = list(seconds), 0
+        seconds = list(seconds)
+        self.queues = {name: seconds[i::3] for i, name in enumerate(("plain", "build",
+                                                                      "merged"))}
+        self.calls = 0
 
     def __call__(self, fn):
         fn()
         self.calls += 1
-        return self.seconds.pop(0)
+        return self.queues[fn.__name__].pop(0)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ from .models import DTYPES, MODELS, build_case
 from .run import run_benchmark
 from .settings import METHOD_GROUPS, Setting, default_settings
 
-CPU_METHODS = "tomesd,merge,merge-local,downsample"
-GPU_METHODS = "ceiling,tomesd,merge,merge-local,downsample,match-only"
+CPU_METHODS = "tomesd,merge,merge-local,downsample,auto"
+GPU_METHODS = "ceiling,tomesd,merge,merge-local,downsample,auto,match-only"
 
 
 def _floats(s: str) -> list[float]:

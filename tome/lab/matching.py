@@ -12,7 +12,7 @@ import torch
 
 from .models import DTYPES
 from .run import Progress
-from .timing import Timer, peak_memory, quiet_profiler
+from .timing import Timer, peak_memory
 
 IMPLS = ("tomesd", "global", "local")
 
@@ -24,7 +24,6 @@ def run_matching(tokens: int = 65536, channels: int = 320, batch: int = 2,
     """One row per implementation: median time, peak extra memory, speed vs tomesd."""
     from tome import merge
 
-    quiet_profiler()
     dev = torch.device(device)
     h = w = round(math.sqrt(tokens))
     g = torch.Generator().manual_seed(0)

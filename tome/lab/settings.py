@@ -49,9 +49,21 @@ def _library(method: str) -> _methods.Method | None:
     return _methods.REGISTRY.get(method)
 
 
+#: The auto policy's measurements, shared by every application of a setting in this process
+#: (the benchmark re-applies each setting every round).
+_MEASURER: list[Any] = []
+
+
+def _measurer() -> Any:
+    if not _MEASURER:
+        from tome.measure import Measurer
+        _MEASURER.append(Measurer())
+    return _MEASURER[0]
+
+
 #: Method names of ``default_settings`` (``--methods``): each expands to settings.
 METHOD_GROUPS = ("baseline", "ceiling", "tomesd", "merge", "merge-local", "downsample",
-                 "match-only")
+                 "auto", "match-only")
 #: ``ToMeConfig`` fields tomesd 0.1.3's ``apply_patch`` takes.
 TOMESD_FIELDS = ("ratio", "max_downsample", "sx", "sy", "use_rand", "merge_attn",
                  "merge_crossattn", "merge_mlp")
@@ -234,7 +246,7 @@ class Setting:
             remove_attention(model, self.config)
         else:
             config = self.config if seed is None else self.config.replace(seed=seed)
-            tome.apply_patch(model, config=config)
+            tome.apply_patch(model, config=config, measure=_measurer())
 
     def remove(self, model: Any) -> None:
         """Undo ``apply``: the model computes exactly what it did before."""
@@ -290,6 +302,8 @@ def default_settings(methods: Sequence[str], ratios: Sequence[float] = (0.5,),
             out += [Setting.make("merge", r, {"matching": "local"}) for r in ratios]
         elif m == "downsample":
             out += [Setting.make("downsample", f) for f in factors]
+        elif m == "auto":  # the auto policy, measuring on this device at the first call
+            out += [Setting.make("merge", r, {"policy": "auto"}) for r in ratios]
         elif m == "ceiling":
             out.append(Setting.make("ceiling"))
         elif m == "match-only":

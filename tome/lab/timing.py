@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,9 +91,14 @@ def peak_memory(result: dict[str, float | None], device: torch.device | str = "c
         result["peak"] = None
         return
     from torch.profiler import ProfilerActivity, profile
-    quiet_profiler()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_profiler():
+        prof.__enter__()
+    try:
         yield
+    finally:
+        with quiet_profiler():
+            prof.__exit__(None, None, None)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     cur = peak = 0
@@ -102,9 +108,20 @@ def peak_memory(result: dict[str, float | None], device: torch.device | str = "c
     result["peak"] = peak
 
 
-def quiet_profiler() -> None:
-    # The profiler prints "profiler_start/stop" lines on some builds; keep tables clean.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+@contextlib.contextmanager
+def quiet_profiler():
+    """Starting and stopping the profiler: its C++ side prints ``USDT ... profiler_start`` /
+    ``profiler_stop`` to the process's stderr (torch 2.13, no setting turns it off), so fd 2
+    goes to the null device for those moments only, never around the measured code."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 # ----------------------------------------------------------------------------- torch.compile
