@@ -236,6 +236,8 @@ def test_gpu_defaults_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(bench, "build_case", fake_case)
     monkeypatch.setattr(bench, "run_benchmark", fake_run)
+    monkeypatch.setattr(bench, "same_bits_twice", lambda case, s: seen.setdefault(
+        "bits", []).append(s.label) or True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     assert bench.main(["--sizes", "512,1024", "--no-progress"]) == 0
     assert seen["cases"] == [("sd15", 512, "fp16"), ("sd15", 1024, "fp16"),
@@ -244,6 +246,7 @@ def test_gpu_defaults_without_a_gpu(monkeypatch):
                                 "merge local 0.5", "downsample x2", "merge 0.5 policy=auto",
                                 "match-only", "match-only tomesd"]
     assert seen["repeats"] == 10
+    assert seen["bits"] == ["merge 0.5"] * 4  # the GPU run settles "same seed, same bits"
 
 
 # ----------------------------------------------------------------------------- on tiny UNets
@@ -492,3 +495,14 @@ def test_sweep_compares_measured_decisions_with_unet_calls():
     assert summary["cases"] == 2 and 0 <= summary["agreement"] <= 1
     assert "| sd15 | 128 | ds1 | 256 |" in sweep.table(rows)
     assert not tome.is_patched(unet)
+
+
+def test_same_bits_twice_on_this_cpu():
+    from models import TINY_SD15, ldm_unet
+
+    g = torch.Generator().manual_seed(0)
+    case = models.Case("sd15", 128, model=ldm_unet(TINY_SD15), inputs={
+        "x": torch.randn(2, 4, 16, 16, generator=g), "t": torch.full((2,), 500.0),
+        "ctx": torch.randn(2, 7, 32, generator=g)})
+    assert run.same_bits_twice(case, Setting.parse("merge:0.5"))
+    assert not tome.is_patched(case.model)

@@ -27,7 +27,7 @@ from . import report
 from .device import DEVICES, device_name, machine, pick_device, pick_dtype
 from .matching import run_matching
 from .models import DTYPES, MODELS, build_case
-from .run import run_benchmark
+from .run import run_benchmark, same_bits_twice
 from .settings import METHOD_GROUPS, Setting, default_settings
 
 CPU_METHODS = "tomesd,merge,merge-local,downsample,auto"
@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="auto (default): fp16 on GPUs; on CPUs bf16 where native, else fp32")
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--same-bits", action="store_true",
+                   help="also check that merge gives the same bits in two calls (always on GPUs)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed rounds (default 3 on a CPU, 10 on a GPU)")
@@ -117,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
         rows: list[dict[str, Any]] = []
+        bits: list[str] = []
         for name in models:
             model = case = None
             for size in _ints(a.sizes):
@@ -129,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows += run_benchmark([case], settings, repeats, not a.no_measure, progress,
                                       warmup=a.warmup, compile=a.compile,
                                       compile_backend=a.compile_backend)
+                ours = next((s for s in settings if s.impl == "tome" and not s.unmerged
+                             and s.method == "merge"), None)
+                if ours is not None and (gpu or a.same_bits):
+                    same = same_bits_twice(case, ours)
+                    bits.append(f"Same bits twice ({ours.label}, {case.label}, two UNet calls, "
+                                f"deterministic algorithms off): {'yes' if same else 'NO'}")
             del model, case
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -136,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if summary and len({(r["model"], r["size"]) for r in rows}) > 1:
             text += [summary, ""]
         text.append(report.markdown_table(rows))
+        if bits:
+            text += [""] + bits
         result["unet"] = rows
+        result["same_bits"] = bits
         if a.plot:
             text.append(f"\nPlot: {report.plot(rows, a.plot)}")
     if a.suite in ("matching", "all"):
