@@ -21,7 +21,7 @@ touches.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,8 +30,18 @@ from . import config as _config
 from . import merge
 from .config import ToMeConfig
 
-if TYPE_CHECKING:
-    from .plan import Call, Planner
+
+class Planner(Protocol):
+    """What a method's half of plan building may use of ``plan.Planner`` (which calls it)."""
+
+    config: ToMeConfig
+
+    def partition(self, call: Any, h: int, w: int, device: torch.device) -> Any: ...
+
+    def record(self, level: int, tokens: int, removed: int) -> None: ...
+
+
+Call = Any  # ``plan.Call``: one UNet call; ``call.plans`` is shared by its blocks
 
 # Fields only merging reads: the downsample method ignores them.
 MERGE_FIELDS = ("ratio", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp",
