@@ -158,20 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     bar = Progress(len(plan))
     timer = Timer(device)
+    os.makedirs(a.out, exist_ok=True)
+
+    def save() -> dict[str, Any]:  # after every case: a long run keeps what it measured
+        summary = summarise(rows)
+        with open(os.path.join(a.out, "sweep.json"), "w") as f:
+            json.dump({"args": vars(a), "device": device_name(device), "dtype": dtype,
+                       "rows": rows, "summary": summary}, f, indent=1)
+        return summary
+
     with ldm_sdpa():
         model = None
         for name, size in plan:
             if model is None or model[0] != name:
+                model = None  # free the previous model before building the next
                 model = (name, build_case(name, 64, dtype, a.batch, device=device).model)
             case = build_case(name, size, dtype, a.batch, model=model[1], device=device)
             rows += sweep_case(case, config, a.repeats, a.rounds, timer)
+            save()
             bar.step(f"{name} {size}px")
     bar.close()
-    summary = summarise(rows)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sweep.json"), "w") as f:
-        json.dump({"args": vars(a), "device": device_name(device), "dtype": dtype,
-                   "rows": rows, "summary": summary}, f, indent=1)
+    summary = save()
     text = table(rows)
     with open(os.path.join(a.out, "sweep.md"), "w") as f:
         f.write(text + "\n")
