@@ -120,41 +120,8 @@ def before_sampling(p: Any, x: Any = None) -> None:
     cfg = cfg.replace(seed=host.seed_of(p))
     if hasattr(model, "forge_objects"):
         _patch_forge(p, model, gen, cfg, name, x)
-        return
-    reason = host.unsupported(model)
-    notes: list[str] = []
-    if reason is None:
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                apply_patch(model, config=cfg, measure=_measurer(cfg))
-            notes = narrate.library_notes(caught)
-        except UnsupportedModelError as e:
-            reason = str(e).removeprefix("ToMe: ")
-        except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
-            _unpatch(model)
-            reason = f"patching failed ({type(e).__name__}: {e})"
-    if reason is not None:
-        gen.voice.skip_model(p, reason)
-        return
-    _patched.add(model)
-    report = patch_report(model)
-    if not report.patched_blocks:  # e.g. max_downsample 1 on SDXL: say so, claim no merge
-        _unpatch(model)
-        reason = next((n for n in notes if "merges nothing" in n), None) or (
-            f"every block skipped: {report.skipped[0][1]}" if report.skipped
-            else "no transformer block at the levels to merge")
-        gen.voice.skip_model(p, reason.removeprefix("ToMe: "))
-        return
-    gen.voice.skipped_blocks(p, report.skipped)
-    kind = host.model_kind(model)
-    c = report.config
-    gen.voice.summary(f"{kind + ' ' if kind else ''}({report.family})", gen.passes,
-                      report.coverage(), report.skipped,
-                      cfg.seed if c.method == "merge" and c.use_rand else None)
-    for note in notes:
-        gen.voice.say(note)
-    _auto_choice(p, gen, name, cfg, sorted(report.levels), x, model, state_of(model).planner)
+    else:
+        _patch_hooks(p, model, gen, cfg, name, x)
 
 
 def after_batch(p: Any) -> None:
@@ -274,6 +241,45 @@ def _unpatch(model: Any) -> None:
         remove_patch(model)
     except UnsupportedModelError:
         pass
+
+
+def _patch_hooks(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
+                 x: Any) -> None:
+    """A1111 (ldm/sgm models): the library's hooks on the model's UNet for this pass."""
+    reason = host.unsupported(model)
+    notes: list[str] = []
+    if reason is None:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                apply_patch(model, config=cfg, measure=_measurer(cfg))
+            notes = narrate.library_notes(caught)
+        except UnsupportedModelError as e:
+            reason = str(e).removeprefix("ToMe: ")
+        except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
+            _unpatch(model)
+            reason = f"patching failed ({type(e).__name__}: {e})"
+    if reason is not None:
+        gen.voice.skip_model(p, reason)
+        return
+    _patched.add(model)
+    report = patch_report(model)
+    if not report.patched_blocks:  # e.g. max_downsample 1 on SDXL: say so, claim no merge
+        _unpatch(model)
+        reason = next((n for n in notes if "merges nothing" in n), None) or (
+            f"every block skipped: {report.skipped[0][1]}" if report.skipped
+            else "no transformer block at the levels to merge")
+        gen.voice.skip_model(p, reason.removeprefix("ToMe: "))
+        return
+    gen.voice.skipped_blocks(p, report.skipped)
+    kind = host.model_kind(model)
+    c = report.config
+    gen.voice.summary(f"{kind + ' ' if kind else ''}({report.family})", gen.passes,
+                      report.coverage(), report.skipped,
+                      cfg.seed if c.method == "merge" and c.use_rand else None)
+    for note in notes:
+        gen.voice.say(note)
+    _auto_choice(p, gen, name, cfg, sorted(report.levels), x, model, state_of(model).planner)
 
 
 def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
