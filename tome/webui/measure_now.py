@@ -103,12 +103,15 @@ def plot(found: list[Measurement], width: int = 520, height: int = 260) -> str:
                      f"points='{line}'/>")
         parts += [f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='3' fill='{colour}'/>"
                   for x, y in pts]
-        parts.append(f"<text x='{pad + 8}' y='{pad - 14 + 14 * i}' font-size='12' "
-                     f"fill='{colour}'>{html.escape(method)}</text>")
+        parts.append(f"<text x='{width - pad}' y='{pad - 20 + 14 * i}' font-size='12' "
+                     f"text-anchor='end' fill='{colour}'>{html.escape(method)}</text>")
     for x in sorted(set(xs)):
         parts.append(f"<text x='{sx(x):.1f}' y='{height - pad + 16}' font-size='11' "
                      f"text-anchor='middle'>{x} px</text>")
-    parts.append(f"<text x='8' y='{pad - 14}' font-size='11'>speed-up (first level)</text>")
+    parts.append(f"<text x='8' y='{pad - 20}' font-size='11'>speed-up (first level)</text>")
+    for y in sorted({1.0, round(max(ys), 1)}):
+        parts.append(f"<text x='{pad - 4}' y='{sy(y) + 4:.1f}' font-size='11' "
+                     f"text-anchor='end'>{y:g}x</text>")
     parts.append("</svg>")
     return "".join(parts)
 
