@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -489,12 +490,25 @@ def test_sweep_compares_measured_decisions_with_unet_calls():
     rows = sweep.sweep_case(case, ToMeConfig(max_downsample=2), repeats=1, rounds=1,
                             timer=timing.Timer("cpu"))
     assert [r["level"] for r in rows] == [1, 2, "auto"]
-    assert all(r["actual"] > 0 and r["measured"] > 0 for r in rows[:2])
+    for r in rows[:2]:
+        assert r["actual"] > 0 and r["measured"] > 0 and r["in_call"] > 0
+        assert 0 < r["level_share"] < 1 and r["agrees"] == (r["decision"] == (r["in_call"] > 1))
+        lo, hi = r["actual_range"]
+        assert lo <= r["actual"] <= hi
     assert rows[-1]["overhead"] > 0 and set(rows[-1]["merged"]) <= {1, 2}
     summary = sweep.summarise(rows)
     assert summary["cases"] == 2 and 0 <= summary["agreement"] <= 1
     assert "| sd15 | 128 | ds1 | 256 |" in sweep.table(rows)
+    assert "agreement" in sweep.report(summary)
     assert not tome.is_patched(unet)
+    # The level clock: time inside each level's blocks, less than the call, hooks gone after.
+    clock = sweep.LevelClock(unet, torch.device("cpu"))
+    with torch.no_grad(), clock.record() as spent:
+        t0 = time.perf_counter()
+        case.forward()
+        total = time.perf_counter() - t0
+    assert set(spent) == {1, 2, 4, 8} and 0 < sum(spent.values()) < total
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in clock.levels)
 
 
 def test_same_bits_twice_on_this_cpu():

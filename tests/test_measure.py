@@ -87,6 +87,25 @@ def test_fake_clock_decisions_and_accounting(ldm):
     assert [line.split()[-1] for line in lines[2:]] == ["no", "yes", "yes", "no"]
 
 
+def test_stops_early_only_when_the_decision_is_clear(ldm):
+    """After ``min_rounds`` a level stops once every round lands clearly on one side of the
+    margin; near the margin it takes every round."""
+    ms = 1e-3
+    clear = FakeClock([10 * ms, 0.0, 5 * ms] * 5)         # 2x every round: 3 rounds
+    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clear, levels=[8])
+    assert clear.calls == 9 and m.rows[0].speedup == pytest.approx(2.0)
+    costs = FakeClock([5 * ms, 0.0, 6 * ms] * 5)          # slower every round: 3 rounds
+    M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=costs, levels=[8])
+    assert costs.calls == 9
+    near = FakeClock([10.8 * ms, 0.0, 10 * ms] * 5)       # 1.08x: all 5 rounds
+    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=near, levels=[8])
+    assert near.calls == 15 and m.merged_levels() == (8,)
+    mixed = FakeClock([20 * ms, 0.0, 10 * ms, 9 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms,
+                       20 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms])
+    M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
+    assert mixed.calls == 15  # one slow round keeps it going
+
+
 def test_medians_and_plan_counts(ldm):
     ms = 1e-3
     # Three rounds of the ds8 block: medians 6, 1 and 3 ms.

@@ -393,22 +393,37 @@ def hook_runner(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
 Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner, Any], Any]
 
 
+def _speedup(blocks: int, plans: int, block_s: float, plan_s: float, merged_s: float) -> float:
+    merged = plans * plan_s + blocks * merged_s
+    return blocks * block_s / merged if merged > 0 else math.inf
+
+
+def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
+    """Every round so far lands on the same side of the decision, with room to spare: more
+    rounds could not change it (a large level at 2x, or one that clearly costs)."""
+    return min(speedups) >= (1.0 + margin) ** 2 or max(speedups) < 1.0
+
+
 def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
             rounds: int = 5, warmup: int = 1, clock: Clock | None = None,
-            levels: Iterable[int] | None = None, runner: Runner = hook_runner) -> Measurement:
+            levels: Iterable[int] | None = None, runner: Runner = hook_runner,
+            min_rounds: int = 3) -> Measurement:
     """Time each mergeable level of ``model``'s UNet unmerged and merged with ``config``.
 
     Per level, the first transformer block stands for all of them (blocks at one level have
     the same shape). Each round times the block unmerged, the plan build (a fresh call, as in
     sampling) and the block merged, unmerged first in one round and last in the next; medians
-    of ``rounds`` after ``warmup`` untimed rounds. ``clock(fn) -> seconds`` replaces the
+    of at most ``rounds`` after ``warmup`` untimed rounds; a level stops after ``min_rounds``
+    once every round's speed-up lands clearly on one side of the decision (``_clear``: the
+    large levels, the costly ones to time, are rarely near the margin). ``clock(fn) -> seconds`` replaces the
     device's clock (tests); ``runner`` runs a block with or without a plan the way the host
     does (``hook_runner``, or Forge's patcher contract: ``forge.run_block``). Runs on the
     device and dtype of the UNet's blocks, with inputs from a private generator; the model,
     its hooks, flags and the global RNG state are left exactly as they were.
 
-    Cost: ``warmup + rounds`` x (two block runs + one plan build) per level; SD1.5 at 512 px
-    on a CPU (level 1 only, the default) takes about one UNet forward, hence the cache.
+    Cost: ``warmup`` + ``min_rounds`` to ``rounds`` x (two block runs + one plan build) per
+    level; SD1.5 at 512 px on a CPU (level 1 only, the default) takes about one UNet forward,
+    hence the cache.
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"ToMe: rounds must be >= 1 and warmup >= 0, not {rounds}, {warmup}")
@@ -446,7 +461,7 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
         def build(planner=planner, t=t, x=x, built=built, device=device):
             built[0] = planner.plan(planner.begin(latent, device, t), x, False)
 
-        samples = []
+        samples, n = [], len(blocks)
         with torch.no_grad(), _kept(block, device):
             plans = _plan_count(planner, planner.begin(latent, device, t), x, blocks, decoder)
             for i in range(warmup + rounds):
@@ -464,8 +479,10 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
                     sample = [run(plain), run(build), run(merged)]
                 if i >= warmup:
                     samples.append(sample)
+                    if len(samples) >= min_rounds and _clear(
+                            [_speedup(n, plans, *ts) for ts in samples]):
+                        break
         block_s, plan_s, merged_s = (statistics.median(ts) for ts in zip(*samples))
-        n = len(blocks)
         rows.append(LevelTiming(level, tokens, n, plans, n * block_s * 1e3,
                                 (plans * plan_s + n * merged_s) * 1e3))
     if device is None:
