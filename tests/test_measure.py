@@ -106,6 +106,27 @@ def test_stops_early_only_when_the_decision_is_clear(ldm):
     assert mixed.calls == 15  # one slow round keeps it going
 
 
+def test_a_block_another_extension_took_over_stands_for_nothing(ldm):
+    """ControlNet reference / SAG replace forwards on instances: measuring uses the first block
+    left alone; a level with none left gets no row (the thresholds decide it)."""
+    by_level: dict[int, list] = {}
+    for b, lv in block_levels(ldm).items():
+        by_level.setdefault(lv, []).append(b)
+
+    def taken(*args, **kwargs):
+        raise AssertionError("measured a block another extension took over")
+    shadowed = [by_level[1][0], by_level[1][1].attn1, by_level[8][0]]
+    for m in shadowed:
+        m.forward = taken
+    try:
+        assert M.representative(by_level[1], ["attn1"]) is by_level[1][2]
+        m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 8])
+        assert [r.level for r in m.rows] == [1] and m.rows[0].blocks == 5
+    finally:
+        for m in shadowed:
+            del m.forward
+
+
 def test_medians_and_plan_counts(ldm):
     ms = 1e-3
     # Three rounds of the ds8 block: medians 6, 1 and 3 ms.

@@ -372,6 +372,19 @@ def _merged(block: nn.Module, planner: _plan.Planner, plan: Any):
             h.remove()
 
 
+def _taken(module: nn.Module | None) -> bool:
+    return module is None or "forward" in vars(module) or "_forward" in vars(module)
+
+
+def representative(blocks: list[nn.Module], sub_layers: Iterable[str]) -> nn.Module | None:
+    """The block that stands for its level: the first one no other extension has taken over
+    (its or a sub-layer's forward replaced on the instance: ControlNet reference, Self-Attention
+    Guidance), which could not run on a bare input; None if every one has been."""
+    subs = tuple(sub_layers)
+    return next((b for b in blocks if not _taken(b) and type(b).__name__ != "ToMeBlock"
+                 and not any(_taken(getattr(b, n, None)) for n in subs)), None)
+
+
 def _plan_count(planner: _plan.Planner, call: Any, x: torch.Tensor, blocks: list[nn.Module],
                 decoder: set[nn.Module]) -> int:
     """Plans built per UNet call at one level: ask the planner for every block's plan in one
@@ -410,16 +423,18 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
             min_rounds: int = 3) -> Measurement:
     """Time each mergeable level of ``model``'s UNet unmerged and merged with ``config``.
 
-    Per level, the first transformer block stands for all of them (blocks at one level have
-    the same shape). Each round times the block unmerged, the plan build (a fresh call, as in
-    sampling) and the block merged, unmerged first in one round and last in the next; medians
-    of at most ``rounds`` after ``warmup`` untimed rounds; a level stops after ``min_rounds``
-    once every round's speed-up lands clearly on one side of the decision (``_clear``: the
-    large levels, the costly ones to time, are rarely near the margin). ``clock(fn) -> seconds`` replaces the
-    device's clock (tests); ``runner`` runs a block with or without a plan the way the host
-    does (``hook_runner``, or Forge's patcher contract: ``forge.run_block``). Runs on the
-    device and dtype of the UNet's blocks, with inputs from a private generator; the model,
-    its hooks, flags and the global RNG state are left exactly as they were.
+    Per level, one transformer block stands for all of them (blocks at one level have the same
+    shape; ``representative``; a level whose every block another extension has taken over gets
+    no row, so the thresholds decide it). Each round times the block unmerged, the plan build (a
+    fresh call, as in sampling) and the block merged, unmerged first in one round and last in
+    the next; medians of at most ``rounds`` after ``warmup`` untimed rounds; a level stops after
+    ``min_rounds`` once every round's speed-up lands clearly on one side of the decision
+    (``_clear``: the large levels, the costly ones to time, are rarely near the margin).
+    ``clock(fn) -> seconds`` replaces the device's clock (tests); ``runner`` runs a block with
+    or without a plan the way the host does (``hook_runner``, or Forge's patcher contract:
+    ``forge.run_block``). Runs on the device and dtype of the UNet's blocks, with inputs from a
+    private generator; the model, its hooks, flags and the global RNG state are left exactly as
+    they were.
 
     Cost: ``warmup`` + ``min_rounds`` to ``rounds`` x (two block runs + one plan build) per
     level; SD1.5 at 512 px on a CPU (level 1 only, the default) takes about one UNet forward,
@@ -435,9 +450,12 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     latent = (int(latent[0]), int(latent[1]))
     rows = []
     device = dtype = None
+    subs = methods.get(config.method).sub_layers(cfg)
     for level in chosen:
         blocks = by_level[level]
-        block = blocks[0]
+        block = representative(blocks, subs)
+        if block is None:
+            continue
         p = next(block.parameters())
         device, dtype = p.device, p.dtype
         tick = clock or default_clock(device)

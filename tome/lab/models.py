@@ -10,6 +10,7 @@ speed-ups are measured against the attention people actually run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,14 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     else:
         from diffusers import UNet2DConditionModel
         model = UNet2DConditionModel(**cfg)
-    model = wake(model, seed).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    # diffusers warns on every ``.to(dtype=...)`` ("modules that should be kept in float32:
+    # []") even when there are none: not a message for people reading a benchmark.
+    quiet = logging.getLogger("diffusers.models.modeling_utils")
+    level, _ = quiet.level, quiet.setLevel(logging.ERROR)
+    try:
+        model = wake(model, seed).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    finally:
+        quiet.setLevel(level)
     if family == "ldm":  # ldm casts the latent to .dtype but not the timestep embedding
         model.dtype = dtype
         for m in model.modules():  # GroupNorm32 normalises in fp32: keep its affine in fp32
