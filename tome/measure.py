@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -414,7 +413,7 @@ def _speedup(blocks: int, plans: int, block_s: float, plan_s: float, merged_s: f
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
     """Every round so far lands on the same side of the decision, with room to spare: more
     rounds could not change it (a large level at 2x, or one that clearly costs)."""
-    return min(speedups) >= (1.0 + margin) ** 2 or max(speedups) < 1.0
+    return min(speedups) >= (1.0 + margin) ** 2 or max(speedups) < 1.0 / (1.0 + margin)
 
 
 def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
@@ -427,14 +426,16 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     shape; ``representative``; a level whose every block another extension has taken over gets
     no row, so the thresholds decide it). Each round times the block unmerged, the plan build (a
     fresh call, as in sampling) and the block merged, unmerged first in one round and last in
-    the next; medians of at most ``rounds`` after ``warmup`` untimed rounds; a level stops after
-    ``min_rounds`` once every round's speed-up lands clearly on one side of the decision
-    (``_clear``: the large levels, the costly ones to time, are rarely near the margin).
-    ``clock(fn) -> seconds`` replaces the device's clock (tests); ``runner`` runs a block with
-    or without a plan the way the host does (``hook_runner``, or Forge's patcher contract:
-    ``forge.run_block``). Runs on the device and dtype of the UNet's blocks, with inputs from a
-    private generator; the model, its hooks, flags and the global RNG state are left exactly as
-    they were.
+    the next. Each is the fastest of at most ``rounds`` after ``warmup`` untimed rounds: other
+    work on the machine only ever adds time, and the fastest run is the least disturbed (on a
+    2-core CPU with a UNet running on the other core, the median moved by 25% from one
+    measurement to the next, the fastest by 5%). A level stops after ``min_rounds`` once every
+    round's speed-up lands clearly on one side of the decision (``_clear``: the large levels,
+    the costly ones to time, are rarely near the margin). ``clock(fn) -> seconds`` replaces the
+    device's clock (tests); ``runner`` runs a block with or without a plan the way the host does
+    (``hook_runner``, or Forge's patcher contract: ``forge.run_block``). Runs on the device and
+    dtype of the UNet's blocks, with inputs from a private generator; the model, its hooks,
+    flags and the global RNG state are left exactly as they were.
 
     Cost: ``warmup`` + ``min_rounds`` to ``rounds`` x (two block runs + one plan build) per
     level; SD1.5 at 512 px on a CPU (level 1 only, the default) takes about one UNet forward,
@@ -500,7 +501,7 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
                     if len(samples) >= min_rounds and _clear(
                             [_speedup(n, plans, *ts) for ts in samples]):
                         break
-        block_s, plan_s, merged_s = (statistics.median(ts) for ts in zip(*samples))
+        block_s, plan_s, merged_s = (min(ts) for ts in zip(*samples))
         rows.append(LevelTiming(level, tokens, n, plans, n * block_s * 1e3,
                                 (plans * plan_s + n * merged_s) * 1e3))
     if device is None:
