@@ -322,7 +322,7 @@ def test_cache_round_trip(tmp_path):
     assert fresh.get(_key((8, 8))) == _measurement((8, 8))
     assert fresh.get(_key((4, 4))) is None
     data = json.loads((tmp_path / "deep" / "m.json").read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == 1
+    assert data["format"] == "tome-measurements" and data["version"] == M.VERSION == 2
     assert data["entries"][_key().digest]["parts"]["latent"] == [16, 16]  # readable
     assert said == [] and [p.name for p in (tmp_path / "deep").iterdir()] == ["m.json"]
 
@@ -353,10 +353,11 @@ def _wrong_measurement(path):
     b"\x00\xff garbage {",
     b'{"format": "something-else", "version": 1, "entries": {}}',
     b'["a", "list"]',
-    b'{"format": "tome-measurements", "version": 2, "entries": {}}',
+    b'{"format": "tome-measurements", "version": 99, "entries": {}}',
+    b'{"format": "tome-measurements", "version": 1, "entries": {"x": {}}}',
     _tampered_parts, _other_key, _wrong_measurement,
-], ids=["garbage", "other-format", "list", "wrong-version", "tampered-parts", "other-key",
-        "wrong-measurement"])
+], ids=["garbage", "other-format", "list", "newer-version", "older-version", "tampered-parts",
+        "other-key", "wrong-measurement"])
 def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
     path = tmp_path / "m.json"
     path.write_bytes(content(path) if callable(content) else content)
@@ -366,10 +367,11 @@ def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
     assert cache.get(_key()) is None
     assert cache.get(_key()) is None
     assert len(said) == 1 and said[0].startswith("ToMe: ")
+    assert ("older ToMe" in said[0]) == (b'"tome-measurements", "version": 1,' in path.read_bytes())
     assert cache.put(_key(), _measurement())
     assert len(said) == 1
     data = json.loads(path.read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == 1
+    assert data["format"] == "tome-measurements" and data["version"] == M.VERSION == 2
     assert M.MeasurementCache(path, say=said.append).get(_key()) == _measurement()
     assert len(said) == 1
 

@@ -40,7 +40,8 @@ from .policy import MARGIN
 from .unet import auto_level, block_levels, decoder_blocks, find_unet
 
 CONTEXT_TOKENS = 77  # CLIP's context length: what attn2 sees in every SD model
-FORMAT, VERSION = "tome-measurements", 1
+# Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
+FORMAT, VERSION = "tome-measurements", 2
 # The config fields that change the merged cost (less those the method ignores); seed, start,
 # end, policy and use_rand do not.
 KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_factor",
@@ -561,6 +562,11 @@ class MeasurementCache:
             return {}
         except (OSError, ValueError) as e:
             self._complain(f"unreadable: {type(e).__name__}")
+            return {}
+        if isinstance(data, dict) and data.get("format") == FORMAT \
+                and isinstance(data.get("version"), int) and data["version"] < VERSION:
+            self._once("read", f"ToMe: the measurements in {self.path} were taken by an older "
+                       "ToMe; each size is measured again and the file rewritten")
             return {}
         if not isinstance(data, dict) or data.get("format") != FORMAT \
                 or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
