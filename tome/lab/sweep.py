@@ -101,12 +101,6 @@ class LevelClock:
             spent[level] = spent.get(level, 0.0) + seconds
 
 
-def _forced(levels: dict[int, bool]):
-    """A measurer that says exactly which levels pay: how one level alone is merged."""
-    return lambda size, batch, device: {lv: (2.0 if on else 0.5, "forced")
-                                        for lv, on in levels.items()}
-
-
 def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
                timer: Timer) -> list[dict[str, Any]]:
     """Rows of one (model, size): one per candidate level, plus the auto policy's."""
