@@ -3,6 +3,7 @@ the run loop, tables (the real measurements are in docs/speed.md)."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -476,7 +477,7 @@ def test_profiler_says_nothing_on_stderr():
         out.stderr
 
 
-def test_sweep_compares_measured_decisions_with_unet_calls():
+def test_sweep_compares_measured_decisions_with_unet_calls(tmp_path, capsys):
     from models import TINY_SD15, ldm_unet
 
     from tome.lab import sweep
@@ -500,6 +501,11 @@ def test_sweep_compares_measured_decisions_with_unet_calls():
     assert summary["cases"] == 2 and 0 <= summary["agreement"] <= 1
     assert "| sd15 | 128 | ds1 | 256 |" in sweep.table(rows)
     assert "agreement" in sweep.report(summary)
+    # Runs split over cores are summarised as one (--combine).
+    sweep.write(str(tmp_path / "a"), rows, {"device": "cpu", "dtype": "fp32"})
+    assert sweep.combine([str(tmp_path / "a")] * 2, str(tmp_path / "both")) == 0
+    both = json.loads((tmp_path / "both" / "sweep.json").read_text())
+    assert both["summary"]["cases"] == 4 and "agreement" in capsys.readouterr().out
     assert not tome.is_patched(unet)
     # The level clock: time inside each level's blocks, less than the call, hooks gone after.
     clock = sweep.LevelClock(unet, torch.device("cpu"))
