@@ -307,7 +307,8 @@ def test_attn1_replaced_on_the_instance_is_skipped(inputs):
     mid = [m for m in unet.middle_block.modules() if type(m).__name__ == "BasicTransformerBlock"]
     attn = mid[0].attn1
     attn.forward = attn.forward  # an instance-level override, as SAG does
-    tome.apply_patch(unet, ratio=0.5, max_downsample=8)
+    with pytest.warns(UserWarning, match="skipped 1 of 16 block"):
+        tome.apply_patch(unet, ratio=0.5, max_downsample=8)
     report = tome.patch_report(unet)
     assert any("Self-Attention Guidance" in why for _, why in report.skipped)
     assert report.patched_blocks == report.total_blocks - 1
