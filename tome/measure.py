@@ -35,7 +35,7 @@ from torch import nn
 from . import methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
-from .patch import context_keyword, reduce_args, restore_output
+from .patch import context_keyword, reduce_args, restore_output, unusable
 from .policy import MARGIN
 from .unet import auto_level, block_levels, decoder_blocks, find_unet
 
@@ -372,17 +372,12 @@ def _merged(block: nn.Module, planner: _plan.Planner, plan: Any):
             h.remove()
 
 
-def _taken(module: nn.Module | None) -> bool:
-    return module is None or "forward" in vars(module) or "_forward" in vars(module)
-
-
 def representative(blocks: list[nn.Module], sub_layers: Iterable[str]) -> nn.Module | None:
-    """The block that stands for its level: the first one no other extension has taken over
-    (its or a sub-layer's forward replaced on the instance: ControlNet reference, Self-Attention
-    Guidance), which could not run on a bare input; None if every one has been."""
+    """The block that stands for its level: the first one that can run our way
+    (``patch.unusable``: none another extension took over, which could not run on a bare
+    input); None if there is none."""
     subs = tuple(sub_layers)
-    return next((b for b in blocks if not _taken(b) and type(b).__name__ != "ToMeBlock"
-                 and not any(_taken(getattr(b, n, None)) for n in subs)), None)
+    return next((b for b in blocks if unusable(b, subs) is None), None)
 
 
 def _plan_count(planner: _plan.Planner, call: Any, x: torch.Tensor, blocks: list[nn.Module],
@@ -404,11 +399,6 @@ def hook_runner(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
 
 
 Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner, Any], Any]
-
-
-def _speedup(blocks: int, plans: int, block_s: float, plan_s: float, merged_s: float) -> float:
-    merged = plans * plan_s + blocks * merged_s
-    return blocks * block_s / merged if merged > 0 else math.inf
 
 
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
@@ -484,6 +474,12 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
         samples, n = [], len(blocks)
         with torch.no_grad(), _kept(block, device):
             plans = _plan_count(planner, planner.begin(latent, device, t), x, blocks, decoder)
+
+            def timing(block_s, plan_s, merged_s, level=level, tokens=tokens, n=n, plans=plans):
+                """One round's (or the fastest) seconds as the level's per-call row."""
+                return LevelTiming(level, tokens, n, plans, n * block_s * 1e3,
+                                   (plans * plan_s + n * merged_s) * 1e3)
+
             for i in range(warmup + rounds):
                 if i == warmup:
                     _sync(device)
@@ -500,11 +496,9 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
                 if i >= warmup:
                     samples.append(sample)
                     if len(samples) >= min_rounds and _clear(
-                            [_speedup(n, plans, *ts) for ts in samples]):
+                            [timing(*ts).speedup for ts in samples]):
                         break
-        block_s, plan_s, merged_s = (min(ts) for ts in zip(*samples))
-        rows.append(LevelTiming(level, tokens, n, plans, n * block_s * 1e3,
-                                (plans * plan_s + n * merged_s) * 1e3))
+        rows.append(timing(*(min(ts) for ts in zip(*samples))))
     if device is None:
         p = next(unet.parameters())
         device, dtype = p.device, p.dtype

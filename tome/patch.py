@@ -19,6 +19,7 @@ in ``unet.py``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,24 +105,35 @@ class _State:
 
 # ----------------------------------------------------------------------------- blocks
 
-def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method) -> str | None:
-    """Why a block cannot be patched safely, or None."""
+def unusable(block: nn.Module, sub_layers: Iterable[str]) -> str | None:
+    """Why ``block`` cannot run our way at all, or None: another extension took it over (its
+    or a sub-layer's forward replaced on the instance: ControlNet reference, Self-Attention
+    Guidance, which records attn1's attention map in the middle block and expects every
+    token), tomesd patched it, or it lacks a sub-layer the method uses."""
     if "_forward" in vars(block) or "forward" in vars(block):
         return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
     if type(block).__name__ == "ToMeBlock":
         return "patched by tomesd"
-    subs = method.sub_layers(config)
+    subs = tuple(sub_layers)
     missing = [n for n in subs if not isinstance(getattr(block, n, None), nn.Module)]
     if missing:
         return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
     for name in subs:
-        sub = getattr(block, name)
-        # Another patch reads or replaces this sub-layer's full token sequence (Self-Attention
-        # Guidance records attn1's attention map in the middle block): merging would change
-        # the shapes it expects.
-        if "forward" in vars(sub):
+        if "forward" in vars(getattr(block, name)):
             return (f"{name} forward replaced on the instance by another extension (e.g. "
                     "Self-Attention Guidance)")
+    return None
+
+
+def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method) -> str | None:
+    """Why a block cannot be patched safely, or None: it is unusable, or another patch
+    observes a sub-layer's full token sequence through hooks, or the method refuses it."""
+    subs = method.sub_layers(config)
+    problem = unusable(block, subs)
+    if problem:
+        return problem
+    for name in subs:
+        sub = getattr(block, name)
         if sub._forward_hooks or sub._forward_pre_hooks:
             return f"{name} is observed by another patch's hooks"
     return method.refuse(block, config)
