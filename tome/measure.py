@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import methods, policy
+from . import memory, methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .patch import context_keyword, reduce_args, restore_output, unusable
@@ -212,10 +212,15 @@ def _evict(device: torch.device) -> None:
     before a timed run: inside a UNet call every block starts cold, and a block timed again
     and again with hot caches makes merging look better than it is where the saving is small
     (few tokens: the weights, not the attention, dominate)."""
-    buf = _flush.get(str(device))
-    if buf is None:
-        buf = _flush[str(device)] = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    buf.add_(1)
+    # Always in inference mode: the buffer outlives the call that made it, and the host may
+    # sample under ``torch.inference_mode`` (Forge, ComfyUI) and measure later under
+    # ``torch.no_grad`` (Measure now), or the reverse; an inference tensor cannot be updated
+    # in place outside inference mode, while a normal tensor can be inside it.
+    with torch.inference_mode():
+        buf = _flush.get(str(device))
+        if buf is None:
+            buf = _flush[str(device)] = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        buf.add_(1)
 
 
 def _sync(device: torch.device) -> None:
@@ -300,6 +305,9 @@ def attention_backend(model: Any) -> str:
     else:
         fn = type(attn).forward
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        swapped = memory.kernel(attn)  # Forge, ComfyUI: chosen at start-up, module-wide
+        if swapped:
+            name += f" {swapped}"
     if next(blocks[0].parameters()).device.type == "cuda":
         flags = [n for n in ("flash", "mem_efficient", "math", "cudnn")
                  if getattr(torch.backends.cuda, f"{n}_sdp_enabled", lambda: False)()]
@@ -401,6 +409,18 @@ def hook_runner(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
 Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner, Any], Any]
 
 
+def _check_memory(unet: nn.Module, latent: tuple[int, int], batch: int,
+                  chosen: dict[int, nn.Module | None]) -> None:
+    """Raise ``memory.NotEnoughMemoryError`` before anything runs if the largest timed run
+    would not fit (``memory.py``: measuring must never take the host down)."""
+    runs = [(b, policy.level_tokens(latent, lv), _channels(b)) for lv, b in chosen.items()
+            if b is not None]
+    if runs:
+        backend = attention_backend(unet)
+        memory.check(memory.estimate(runs, batch, backend), next(runs[0][0].parameters()).device,
+                     memory.full_scores(backend), backend)
+
+
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
     """Every round so far lands on the same side of the decision, with room to spare: more
     rounds could not change it (a large level at 2x, or one that clearly costs)."""
@@ -443,9 +463,10 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     rows = []
     device = dtype = None
     subs = methods.get(config.method).sub_layers(cfg)
-    for level in chosen:
+    chosen = {level: representative(by_level[level], subs) for level in chosen}
+    _check_memory(unet, latent, batch, chosen)
+    for level, block in chosen.items():
         blocks = by_level[level]
-        block = representative(blocks, subs)
         if block is None:
             continue
         p = next(block.parameters())
@@ -632,14 +653,18 @@ class Measurer:
         # key (walking the model) when a patch is re-applied for every pass.
         self.seen: dict[tuple, Measurement] = {}
         self.last: Measurement | None = None
+        self.reason: str | None = None  # why the latest ``get`` returned None (its line)
 
     def get(self, model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
             device: torch.device | None = None, runner: Runner = hook_runner,
             levels: Iterable[int] | None = None) -> Measurement | None:
         """The measurement of ``model`` at this size: from memory, the cache, or measured now.
-        None (and one console line) where it cannot be measured: the UNet's blocks are not on
-        ``device`` (the sampling device; --medvram/--lowvram keep them elsewhere until they
-        run), or measuring failed."""
+        None (and one console line, also kept as ``reason``) where it is not measured: the
+        UNet's blocks are not on ``device`` (the sampling device; --medvram/--lowvram keep them
+        elsewhere until they run), a timed run would not fit in memory (``memory.py``; not
+        remembered: memory may be free next time), or measuring failed."""
+        self.reason = None
+        h, w = latent
         try:
             p = next(find_unet(model).parameters())
             quick = (id(model), p.device, p.dtype, tuple(latent), batch, config.replace(
@@ -651,21 +676,27 @@ class Measurer:
             found = self.results.get(key.digest) or self.cache.get(key)
             if found is None:
                 found = self._measure(model, latent, batch, config, device, runner, levels, key)
+        except memory.NotEnoughMemoryError as e:
+            return self._not(f"ToMe: not measured at {w * 8}x{h * 8} px, batch {batch}: {e}; "
+                             "the token thresholds decide")
         except Exception as e:  # noqa: BLE001 (the thresholds decide instead)
-            self.say(f"ToMe: could not measure ({type(e).__name__}: {e}); the token "
-                     "thresholds decide")
-            return None
+            return self._not(f"ToMe: could not measure {w * 8}x{h * 8} px ({type(e).__name__}: "
+                             f"{e}); the token thresholds decide")
         if found is not None:
             self.results[key.digest] = self.seen[quick] = self.last = found
         return found
+
+    def _not(self, line: str) -> None:
+        self.reason = line
+        self.say(line)
+        return None
 
     def _measure(self, model, latent, batch, config, device, runner, levels, key):
         unet = find_unet(model)
         on = next(unet.parameters()).device
         if device is not None and torch.device(device) != on:
-            self.say(f"ToMe: not measured: the UNet is on {on}, sampling runs on {device} "
-                     "(--medvram/--lowvram); the token thresholds decide")
-            return None
+            return self._not(f"ToMe: not measured: the UNet is on {on}, sampling runs on "
+                             f"{device} (--medvram/--lowvram); the token thresholds decide")
         h, w = latent
         if self.progress is not None:
             self.progress(f"ToMe: measuring {w * 8}x{h * 8} px")

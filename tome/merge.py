@@ -126,7 +126,7 @@ def cell_of(idx: torch.Tensor, w: int, sx: int, sy: int, hsy: int, wsx: int) -> 
 _DEVICE_BUDGET: dict[str, int] = {}
 
 
-def _budget(device: torch.device) -> int:
+def chunk_budget(device: torch.device) -> int:
     """Bytes one chunk may take: ``CHUNK_BYTES`` on CPUs; on CUDA an eighth of the memory free
     when the device is first used (read once per process, never inside a compiled graph),
     between ``CHUNK_BYTES`` and 4 GiB, so large images take few chunks where memory allows."""
@@ -142,7 +142,7 @@ def _budget(device: torch.device) -> int:
 
 def _chunk_rows(cols: int, batch: int, itemsize: int, device: torch.device) -> int:
     """Rows per chunk so that ``rows x cols`` values for the whole batch fit the budget."""
-    return max(1, _budget(device) // max(1, cols * batch * itemsize))
+    return max(1, chunk_budget(device) // max(1, cols * batch * itemsize))
 
 
 def global_match(metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
@@ -202,7 +202,7 @@ def local_match(metric: torch.Tensor, h: int, w: int, sx: int, sy: int,
     x = metric.view(B, h, w, C)
     hm, wm = hsy * sy, wsx * sx
     itemsize = max(metric.element_size(), 2)
-    rows = max(1, _budget(dev) // max(1, B * wsx * (S + 9) * C * itemsize))
+    rows = max(1, chunk_budget(dev) // max(1, B * wsx * (S + 9) * C * itemsize))
     for i0 in range(0, hsy, rows):
         i1 = min(hsy, i0 + rows)
         n = i1 - i0

@@ -130,6 +130,26 @@ def load_for_sampling(patcher: Any) -> None:
             continue
 
 
+def loaded_model() -> tuple[Any, str | None]:
+    """``(model, None)``: the model a generation would use now, loaded the way a generation
+    loads it; ``(None, why)`` where there is none. The Forge family loads the selected
+    checkpoint in ``sd_models.forge_model_reload()`` at the start of every generation (before
+    the first one, Forge Neo's ``shared.sd_model`` is a ``FakeInitialModel``); A1111 loads it
+    when ``shared.sd_model`` is first read."""
+    from modules import sd_models, shared
+    reload = getattr(sd_models, "forge_model_reload", None)
+    if callable(reload):
+        try:
+            reload()
+        except Exception as e:  # noqa: BLE001 (said to the user, nothing else to do)
+            return None, ("no model is loaded, and loading the selected checkpoint failed "
+                          f"({type(e).__name__}: {e})")
+    model = shared.sd_model
+    if model is None or type(model).__name__ == "FakeInitialModel":
+        return None, "no model is loaded yet (select a checkpoint, or generate once)"
+    return model, None
+
+
 def model_kind(model: Any) -> str:
     """``SDXL``, ``SD2``, ``SD1`` from the WebUI's model flags, or ''."""
     return next((k for k, flag in (("SDXL", "is_sdxl"), ("SD2", "is_sd2"), ("SD1", "is_sd1"))

@@ -13,7 +13,8 @@ from typing import Any
 
 from .. import policy
 from ..measure import Measurement, Measurer
-from . import host, runner
+from ..unet import UnsupportedModelError, find_unet, known_levels
+from . import host, narrate, runner
 from . import script_args as A
 
 ROUTE = "/tome/measure"
@@ -28,32 +29,57 @@ def sizes_for(model: Any) -> tuple[int, ...]:
     return SIZES["SDXL"] if host.model_kind(model) == "SDXL" else SIZES[""]
 
 
-def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurement]]:
-    """Measure ``model`` at its sizes with each method: (HTML, measurements)."""
+def _unet(model: Any) -> tuple[Any, Any]:
+    """The UNet to time and how to run its blocks (the hook adapter's way, or the Forge
+    family's patcher contract, its model moved to the sampling device first); raises
+    ``UnsupportedModelError`` naming the model where there is nothing to measure."""
     from .. import forge
     from ..measure import hook_runner
 
-    unet, run_block = model, hook_runner
+    reason = host.unsupported(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"ToMe: {reason}")
+    run_block = hook_runner
     if hasattr(model, "forge_objects"):
-        patcher = model.forge_objects.unet
-        host.load_for_sampling(patcher)
-        unet, run_block = patcher.model.diffusion_model, forge.run_block
+        unet = getattr(model.forge_objects.unet.model, "diffusion_model", None)
+        run_block = forge.run_block
+    else:
+        unet = find_unet(model)
+    if not known_levels(unet):
+        name = type(unet).__name__ if unet is not None else "no model"
+        raise UnsupportedModelError(f"ToMe: {name} has no UNet transformer blocks to merge "
+                                    "(ToMe measures SD1, SD2 and SDXL UNets)")
+    if run_block is not hook_runner:
+        host.load_for_sampling(model.forge_objects.unet)
+    return unet, run_block
+
+
+def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurement]]:
+    """Measure ``model`` at its sizes with each method: (HTML, measurements). A size that is
+    not measured (too large for the memory available, or measuring failed) gets a row saying
+    why, and the others are still measured."""
+    try:
+        unet, run_block = _unet(model)
+    except UnsupportedModelError as e:
+        narrate.console(f"ToMe: Measure now: {str(e).removeprefix('ToMe: ')}")
+        return f"<p>{html.escape(str(e))}; nothing to measure.</p>", []
     found: list[Measurement] = []
+    missed: list[tuple[str, int, str]] = []
     for name, cfg in METHODS.items():
         for px in sizes_for(model):
             m = measurer.get(unet, (px // 8, px // 8), BATCH, cfg, device=device,
                              runner=run_block)
             if m is None:
-                return (f"<p>ToMe: could not measure {html.escape(name)} at {px} px on this "
-                        "device (see the console); generations decide by the token "
-                        "thresholds.</p>", found)
-            found.append(m)
-    return render(found), found
+                missed.append((name, px, measurer.reason or "not measured"))
+            else:
+                found.append(m)
+    return render(found, missed), found
 
 
-def render(found: list[Measurement]) -> str:
-    """One table of every measurement, and the plot."""
-    if not found:
+def render(found: list[Measurement], missed: list[tuple[str, int, str]] = ()) -> str:
+    """One table of every measurement (and a row per size not measured, saying why), and the
+    plot."""
+    if not found and not missed:
         return "<p>ToMe: nothing to measure.</p>"
     head = ("<tr><th>method</th><th>image</th><th>level</th><th>tokens</th><th>unmerged ms</th>"
             "<th>merged ms</th><th>speed-up</th><th>auto</th></tr>")
@@ -65,11 +91,15 @@ def render(found: list[Measurement]) -> str:
                         f"<td>{r.tokens}</td><td>{r.unmerged_ms:.1f}</td>"
                         f"<td>{r.merged_ms:.1f}</td><td>{r.speedup:.2f}x</td>"
                         f"<td>{'merge' if policy.pays(r.speedup) else 'no'}</td></tr>")
-    title = (f"Measured on {html.escape(found[0].device)} ({found[0].dtype}), batch "
-             f"{found[0].batch}; the auto policy merges a level from "
-             f"{1 + policy.MARGIN:.2f}x")
+    for method, px, why in missed:
+        rows.append(f"<tr><td>{html.escape(method)}</td><td>{px}x{px}</td>"
+                    f"<td colspan='6'>skipped: {html.escape(why.removeprefix('ToMe: '))}"
+                    "</td></tr>")
+    where = (f"Measured on {html.escape(found[0].device)} ({found[0].dtype}), batch "
+             f"{found[0].batch}" if found else "Nothing measured")
+    title = f"{where}; the auto policy merges a level from {1 + policy.MARGIN:.2f}x"
     return (f"<p>{title}</p><table class='tome-measure'>{head}{''.join(rows)}</table>"
-            f"{plot(found)}")
+            f"{plot(found) if found else ''}")
 
 
 def plot(found: list[Measurement], width: int = 520, height: int = 260) -> str:
@@ -123,12 +153,12 @@ def register_api(demo: Any, app: Any) -> None:
 
 def measure_loaded() -> dict[str, str]:
     """Measure ``shared.sd_model`` under the queue lock; ``{"html": ...}``."""
-    from modules import shared
     from modules.call_queue import queue_lock
 
     with queue_lock:
-        model = shared.sd_model
+        model, why = host.loaded_model()
         if model is None:
-            return {"html": "<p>ToMe: no model is loaded.</p>"}
+            narrate.console(f"ToMe: Measure now: {why}")
+            return {"html": f"<p>ToMe: {html.escape(why)}.</p>"}
         text, _ = run(model, runner.measuring_service(), host.compute_device(model))
     return {"html": text}

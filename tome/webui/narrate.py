@@ -21,6 +21,20 @@ PASS_LABELS = infotext.PASS_LABELS
 _said_builtin = False
 
 
+def console(line: str) -> None:
+    """Print one console line on a line of its own: while the sampler's progress bar (tqdm)
+    is drawn, through ``tqdm.write``, which clears the bar, prints and redraws it; else plain
+    ``print``."""
+    try:
+        from tqdm import tqdm
+        if getattr(tqdm, "_instances", None):
+            tqdm.write(line)
+            return
+    except ImportError:
+        pass
+    print(line)
+
+
 def what(cfg: ToMeConfig | None) -> str:
     """``ratio 0.5``, ``downsample x2`` or ``off``."""
     return "off" if cfg is None else methods.get(cfg.method).describe(cfg)
@@ -37,11 +51,11 @@ def skipped_text(skipped: list[tuple[Any, str]]) -> str:
 
 def stopped(error: Exception) -> None:
     """An invalid setting stops the generation: the console's only line about it."""
-    print(f"{error}; the generation is stopped")
+    console(f"{error}; the generation is stopped")
 
 
 def hires_only_without_hires() -> None:
-    print("ToMe: 'Only in hires fix' is on but hires fix is off: nothing is merged")
+    console("ToMe: 'Only in hires fix' is on but hires fix is off: nothing is merged")
 
 
 def builtin_off(was_on: dict[str, Any]) -> None:
@@ -50,7 +64,7 @@ def builtin_off(was_on: dict[str, Any]) -> None:
     if was_on and not _said_builtin:
         _said_builtin = True
         was = ", ".join(f"{k}={v}" for k, v in was_on.items())
-        print(f"ToMe: the WebUI's built-in token merging ({was}) is off while ToMe is enabled, "
+        console(f"ToMe: the WebUI's built-in token merging ({was}) is off while ToMe is enabled, "
               "so the model is never merged twice")
 
 
@@ -80,7 +94,7 @@ class Voice:
     def say(self, line: str) -> None:
         if line not in self.said:
             self.said.add(line)
-            print(line)
+            console(line)
 
     def summary(self, head: str, passes: dict[str, ToMeConfig | None], coverage: str,
                 skipped: list[tuple[Any, str]] = (), seed: int | None = None) -> None:
@@ -96,7 +110,7 @@ class Voice:
             line += f"; {skipped_text(skipped)}"
         if seed is not None:
             line += f"; seed {seed}"
-        print(line)
+        console(line)
 
     def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, levels: list[int],
                     latent: tuple[int, int], kind: str,
@@ -108,7 +122,7 @@ class Voice:
         decisions = policy.decide(cfg, latent, levels, kind, measured)
         self.auto[name] = f"{PASS_LABELS[name]} {policy.summary(decisions, latent)}"
         self.merged[name] = [d.level for d in decisions if d.merged]
-        print(f"ToMe auto: {self.auto[name]}")
+        console(f"ToMe auto: {self.auto[name]}")
         params = p.extra_generation_params
         params[infotext.AUTO] = " | ".join(self.auto.values())
         params[infotext.MERGED] = infotext.merged_text(self.merged)
@@ -121,7 +135,7 @@ class Voice:
         p.extra_generation_params[infotext.SKIPPED] = f"{len(skipped)} block(s): {skipped[0][1]}"
         if self.announced and "skipped" not in self.said:
             self.said.add("skipped")
-            print(f"ToMe: {skipped_text(skipped)}; the other blocks are merged")
+            console(f"ToMe: {skipped_text(skipped)}; the other blocks are merged")
 
     def skip_model(self, p: Any, reason: str) -> None:
         """The model is not merged at all: one console line, one infotext note. While nothing
@@ -129,7 +143,7 @@ class Voice:
         back must not turn on a merge the image never had)."""
         if self.skipped is None:
             self.skipped = reason
-            print(f"ToMe: skipped, the image is generated without merging: {reason}")
+            console(f"ToMe: skipped, the image is generated without merging: {reason}")
         params = p.extra_generation_params
         if not self.announced:
             params = {k: v for k, v in params.items() if k not in infotext.SETTINGS_KEYS}

@@ -195,8 +195,8 @@ def measuring_service() -> Measurer:
     """The process's one measuring service: its results and cache file are shared by every
     generation and by Settings > ToMe > Measure now."""
     if not _measurers:
-        _measurers.append(Measurer(MeasurementCache(host.cache_path()),
-                                   progress=host.show_progress))
+        _measurers.append(Measurer(MeasurementCache(host.cache_path(), say=narrate.console),
+                                   say=narrate.console, progress=host.show_progress))
     return _measurers[0]
 
 
