@@ -248,3 +248,22 @@ def test_forge_measures_at_the_first_call_of_a_size(tmp_path):
     assert patch.tokens == {1: (256, 128)}  # 256 tokens: merged because it was measured faster
     calls.clear()
     assert torch.equal(self_attention_block(ours, x, (2, 4, 16, 16)), out) and not calls
+
+
+def test_forge_measures_under_inference_mode_then_again_under_no_grad(tmp_path, monkeypatch):
+    """Forge samples under ``torch.inference_mode``; Settings > ToMe > Measure now runs under
+    ``torch.no_grad`` afterwards, through ``run_block``."""
+    from tome import measure as M
+
+    monkeypatch.setattr(M, "_flush", {})
+    said = []
+    service = M.Measurer(M.MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
+                         warmup=0)
+    unet = forge_unet()
+    ours, patch = forge.patch_unet(Patcher(unet), ToMeConfig(policy="auto"), measurer=service)
+    with torch.inference_mode():
+        self_attention_block(ours, torch.randn(2, 256, 8), (2, 4, 16, 16))
+    with torch.no_grad():
+        m = service.get(unet, (24, 24), 2, ToMeConfig(), runner=forge.run_block)
+    assert m is not None and [s[:26] for s in said] == ["ToMe: measured 128x128 px,",
+                                                        "ToMe: measured 192x192 px,"]

@@ -397,3 +397,28 @@ def test_default_cache_path(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     assert M.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
     assert M.MeasurementCache().path == M.default_cache_path()
+
+
+# ----------------------------------------------------------------------------- grad modes
+
+@pytest.mark.parametrize("first, then", [(torch.inference_mode, torch.no_grad),
+                                         (torch.no_grad, torch.inference_mode)])
+def test_measuring_works_whatever_mode_measured_before(tmp_path, monkeypatch, first, then):
+    """Forge and ComfyUI sample (and so measure) under inference mode, Measure now under
+    no_grad: what measuring keeps between measurements (the cache-flush buffer) must work in
+    both orders."""
+    monkeypatch.setattr(M, "_flush", {})
+    said = []
+    service = M.Measurer(M.MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
+                         warmup=0)
+    unet = ldm_unet(TINY_SD15)
+    tome.apply_patch(unet, ratio=0.5, policy="auto", measure=service)
+    try:
+        with first():
+            unet(*ldm_inputs(2, 16, 16))
+        with then():
+            unet(*ldm_inputs(2, 24, 24))
+    finally:
+        tome.remove_patch(unet)
+    assert [s.split(" in ")[0].split(",")[0] for s in said] == [
+        "ToMe: measured 128x128 px", "ToMe: measured 192x192 px"]

@@ -549,3 +549,110 @@ def test_measure_now_in_the_settings(monkeypatch, tmp_path):
     assert not calls and "ds1 measured 1.50x on " in res.info
     assert runner.measuring_service().last is not None
     assert "tome_measure_now" in shared.opts.data_labels
+
+
+def _measure_now():
+    """Settings > ToMe > Measure now, as the button posts it."""
+    from webui_stub.harness import script_callbacks
+
+    from tome.webui import measure_now
+
+    routes = {}
+    app = type("App", (), {"add_api_route": lambda self, path, fn, methods: routes.update(
+        {path: fn})})()
+    script_callbacks._run("app_started", None, app)
+    return routes[measure_now.ROUTE]()["html"]
+
+
+@pytest.mark.measure
+@pytest.mark.parametrize("sampling", [torch.inference_mode, torch.no_grad])
+def test_measure_now_after_a_generation_that_measured(monkeypatch, tmp_path, capsys, sampling):
+    """Forge samples (and so first measures) under inference mode, A1111 under no_grad;
+    Measure now afterwards gives its table either way."""
+    from webui_stub.harness import processing
+
+    from tome import measure as M
+
+    monkeypatch.setattr(M, "_flush", {})
+    _fake_measurer(monkeypatch, tmp_path, 2.0)
+    webui = WebUI()
+    processing.sampling_mode = sampling
+    res = webui.generate(tome=on(), seed=4)
+    assert "ds1 measured 2.00x on " in res.info
+    page = _measure_now()
+    assert page.count("<tr>") == 1 + 2 * 3 and "skipped" not in page
+    out = capsys.readouterr().out
+    assert "could not measure" not in out
+
+
+@pytest.mark.measure
+@pytest.mark.parametrize("reload", [False, True])
+def test_measure_now_before_any_model_is_loaded(monkeypatch, tmp_path, capsys, reload):
+    """Forge Neo's ``shared.sd_model`` is a ``FakeInitialModel`` until a generation loads the
+    checkpoint (``sd_models.forge_model_reload``): Measure now loads it the same way, or says
+    that no model is loaded."""
+    calls = _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
+    model = tiny_model()
+    WebUI(model)
+    shared.sd_model = type("FakeInitialModel", (), {})()
+    if reload:
+        monkeypatch.setattr(sd_models, "forge_model_reload",
+                            lambda: (sd_models.load_model(model), True), raising=False)
+    page = _measure_now()
+    out = capsys.readouterr().out
+    if reload:
+        assert page.count("<tr>") == 1 + 2 * 3 and calls and shared.sd_model is model
+    else:
+        assert page == ("<p>ToMe: no model is loaded yet (select a checkpoint, or generate "
+                        "once).</p>") and not calls
+        assert out.count("ToMe: Measure now: no model is loaded yet") == 1
+
+
+@pytest.mark.measure
+def test_measure_now_names_a_model_it_cannot_measure(monkeypatch, tmp_path, capsys):
+    from test_forge import FluxLike, Patcher
+
+    _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
+    model = tiny_model()
+    model.forge_objects = type("ForgeObjects", (), {})()
+    model.forge_objects.unet = Patcher(FluxLike())
+    WebUI(model)
+    page = _measure_now()
+    assert page == ("<p>ToMe: FluxLike has no UNet transformer blocks to merge (ToMe measures "
+                    "SD1, SD2 and SDXL UNets); nothing to measure.</p>")
+    assert "ToMe: Measure now: FluxLike has no UNet" in capsys.readouterr().out
+
+
+@pytest.mark.measure
+def test_measure_now_skips_sizes_that_do_not_fit_in_memory(monkeypatch, tmp_path, capsys):
+    """The guard of ``tome/memory.py`` with a small reported memory: each size is skipped with
+    one console line and a table row saying why; the WebUI stays up."""
+    from collections import namedtuple
+
+    import psutil
+
+    calls = _fake_measurer(monkeypatch, tmp_path, 1.5)
+    WebUI()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("VM", "available")(1 << 20))
+    page = _measure_now()
+    out = capsys.readouterr().out
+    assert not calls and page.count("<td colspan='6'>skipped: not measured at ") == 2 * 3
+    assert "Nothing measured" in page and "<svg" not in page
+    assert out.count("ToMe: not measured at 1024x1024 px, batch 2: timing the unmerged block "
+                     "needs about ") == 2
+
+
+def test_console_lines_start_on_their_own_line_under_a_progress_bar(monkeypatch, capsys):
+    import io
+
+    from tqdm import tqdm
+
+    from tome.webui import narrate
+
+    written = []
+    monkeypatch.setattr(tqdm, "write", classmethod(lambda cls, s, **kw: written.append(s)))
+    narrate.console("ToMe: before")
+    with tqdm(total=2, file=io.StringIO()) as bar:
+        bar.update()
+        narrate.console("ToMe: during")
+    assert written == ["ToMe: during"] and capsys.readouterr().out == "ToMe: before\n"

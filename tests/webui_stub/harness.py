@@ -84,6 +84,7 @@ class WebUI:
         sd_unet.current_unet = None
         errors.reported.clear()
         processing.unet_call_observers.clear()
+        processing.sampling_mode = torch.no_grad
         processing.unet_call_observers.append(self._observe)
         self.calls: list[Call] = []
         for k, v in cmd_opts.items():

@@ -13,6 +13,8 @@ import torch
 from modules import infotext_utils, script_callbacks, sd_models, shared
 
 unet_call_observers = []  # functions(p, model) run right before every UNet call
+# A1111 samples under torch.no_grad; Forge and ComfyUI under torch.inference_mode.
+sampling_mode = torch.no_grad
 
 
 class StableDiffusionProcessing:
@@ -110,7 +112,7 @@ class StableDiffusionProcessing:
             model = shared.sd_model
             for observe in unet_call_observers:
                 observe(self, model)
-            with torch.no_grad():
+            with sampling_mode():
                 out = model.model.diffusion_model(torch.cat([x, x]),
                                                   torch.full((2 * batch,), float(t)),
                                                   torch.cat([cond, uncond]))
