@@ -642,17 +642,18 @@ def test_measure_now_skips_sizes_that_do_not_fit_in_memory(monkeypatch, tmp_path
                      "needs about ") == 2
 
 
-def test_console_lines_start_on_their_own_line_under_a_progress_bar(monkeypatch, capsys):
-    import io
+def test_console_lines_start_on_their_own_line_under_a_progress_bar(capsys):
+    """The measuring line used to continue the bar's (``0/4 [00:00<?, ?it/s]ToMe: ...``)."""
+    import sys
 
     from tqdm import tqdm
 
     from tome.webui import narrate
 
-    written = []
-    monkeypatch.setattr(tqdm, "write", classmethod(lambda cls, s, **kw: written.append(s)))
     narrate.console("ToMe: before")
-    with tqdm(total=2, file=io.StringIO()) as bar:
+    with tqdm(total=2, file=sys.stderr) as bar:
         bar.update()
         narrate.console("ToMe: during")
-    assert written == ["ToMe: during"] and capsys.readouterr().out == "ToMe: before\n"
+    out, err = capsys.readouterr()
+    assert out == "ToMe: before\nToMe: during\n"
+    assert err.split("1/2")[1].split("\r")[0].endswith("\n")  # the bar line was finished

@@ -22,17 +22,22 @@ _said_builtin = False
 
 
 def console(line: str) -> None:
-    """Print one console line on a line of its own: while the sampler's progress bar (tqdm)
-    is drawn, through ``tqdm.write``, which clears the bar, prints and redraws it; else plain
-    ``print``."""
+    """Print one console line on a line of its own. While the sampler's progress bar (tqdm)
+    is drawn, its line is finished first (a newline on the bar's stream), so the line never
+    continues the bar's, in a terminal or in a log file; the bar redraws below it."""
     try:
         from tqdm import tqdm
-        if getattr(tqdm, "_instances", None):
-            tqdm.write(line)
-            return
+        streams = {id(fp): fp for bar in list(getattr(tqdm, "_instances", ()))
+                   if (fp := getattr(bar, "fp", None)) is not None}
     except ImportError:
-        pass
-    print(line)
+        streams = {}
+    for fp in streams.values():
+        try:
+            fp.write("\n")
+            fp.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing to finish
+            pass
+    print(line, flush=True)
 
 
 def what(cfg: ToMeConfig | None) -> str:
