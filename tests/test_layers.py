@@ -17,9 +17,10 @@ LAYERS = [
     ("tome.requirements", "tome.config"),
     ("tome.merge",),
     ("tome.methods",),
-    ("tome.policy", "tome.unet"),
+    ("tome.policy", "tome.unet", "tome.memory"),
     ("tome.plan",),
-    ("tome.patch", "tome.forge", "tome.measure"),
+    ("tome.patch", "tome.patcher", "tome.measure"),
+    ("tome.measurements",),
     ("tome",),          # the package's public API (__init__)
     ("tome.webui",),    # and everything under it
     ("tome.lab", "tome.bench"),
@@ -102,3 +103,12 @@ def test_torch_minimum_is_one_number():
     from tome.requirements import MIN_TORCH
     pyproject = (ROOT.parent / "pyproject.toml").read_text()
     assert f'"torch>={".".join(map(str, MIN_TORCH))}"' in pyproject
+
+
+def test_adapters_and_the_measurement_never_import_each_other():
+    """Measuring runs a block through whichever adapter's ``run_block`` it is handed: the
+    timing room stays below both adapters, and neither adapter reaches up into it."""
+    adapters, measuring = {"tome.patch", "tome.patcher"}, {"tome.measure", "tome.measurements"}
+    crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
+                if {m, d} & adapters and {m, d} & measuring]
+    assert not crossing, crossing

@@ -12,30 +12,22 @@ import json
 import pytest
 import torch
 from models import TINY_SD15, TINY_SDXL, diffusers_unet, ldm_inputs, ldm_unet
+from stubs import FakeClock
 
 import tome
 from tome import measure as M
+from tome import measurements as C
 from tome.config import ToMeConfig
+from tome.patch import run_block
 from tome.plan import Planner
 from tome.unet import block_levels
 
 LATENT = (16, 16)
 
 
-class FakeClock:
-    """Returns the given seconds in turn, given per round as (unmerged, plan build, merged)
-    whatever order the rounds run them in, and runs ``fn`` as a real clock would."""
-
-    def __init__(self, seconds):
-        seconds = list(seconds)
-        self.queues = {name: seconds[i::3] for i, name in enumerate(("plain", "build",
-                                                                      "merged"))}
-        self.calls = 0
-
-    def __call__(self, fn):
-        fn()
-        self.calls += 1
-        return self.queues[fn.__name__].pop(0)
+def measure(*args, **kwargs):
+    """``measure.measure`` through the hook adapter's runner."""
+    return M.measure(*args, runner=run_block, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def test_fake_clock_decisions_and_accounting(ldm):
                        10.6 * ms, 0.0, 10 * ms,      # ds2: 1.06x: merged
                        10 * ms, 5 * ms, 4 * ms,      # ds4: 50 / (2*5 + 5*4) = 1.67x
                        1 * ms, 1 * ms, 0.1 * ms])    # ds8: 1 / (1 + 0.1): slower
-    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, warmup=0, clock=clock,
+    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, warmup=0, clock=clock,
                   levels=[8, 4, 2, 1])
     assert clock.calls == 12
     assert [(r.level, r.tokens, r.blocks, r.plans) for r in m.rows] == \
@@ -92,20 +84,20 @@ def test_stops_early_only_when_the_decision_is_clear(ldm):
     margin; near the margin it takes every round."""
     ms = 1e-3
     clear = FakeClock([10 * ms, 0.0, 5 * ms] * 5)         # 2x every round: 3 rounds
-    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clear, levels=[8])
+    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clear, levels=[8])
     assert clear.calls == 9 and m.rows[0].speedup == pytest.approx(2.0)
     costs = FakeClock([5 * ms, 0.0, 6 * ms] * 5)          # 0.83x every round: 3 rounds
-    M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=costs, levels=[8])
+    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=costs, levels=[8])
     assert costs.calls == 9
     barely = FakeClock([10 * ms, 0.0, 10.2 * ms] * 5)     # 0.98x: all 5 rounds
-    M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=barely, levels=[8])
+    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=barely, levels=[8])
     assert barely.calls == 15
     near = FakeClock([10.8 * ms, 0.0, 10 * ms] * 5)       # 1.08x: all 5 rounds
-    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=near, levels=[8])
+    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=near, levels=[8])
     assert near.calls == 15 and m.merged_levels() == (8,)
     mixed = FakeClock([20 * ms, 0.0, 10 * ms, 9 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms,
                        20 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms])
-    M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
+    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
     assert mixed.calls == 15  # one slow round keeps it going
 
 
@@ -123,7 +115,7 @@ def test_a_block_another_extension_took_over_stands_for_nothing(ldm):
         m.forward = taken
     try:
         assert M.representative(by_level[1], ["attn1"]) is by_level[1][2]
-        m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 8])
+        m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 8])
         assert [r.level for r in m.rows] == [1] and m.rows[0].blocks == 5
     finally:
         for m in shadowed:
@@ -135,14 +127,14 @@ def test_fastest_runs_and_plan_counts(ldm):
     ms = 1e-3
     # Three rounds of the ds8 block (one block, one plan): fastest 5, 0 and 2 ms.
     clock = FakeClock([5 * ms, 1 * ms, 2 * ms, 50 * ms, 9 * ms, 3 * ms, 6 * ms, 0.0, 4 * ms])
-    m = M.measure(ldm, LATENT, 2, ToMeConfig(), rounds=3, warmup=1, clock=clock, levels=[8])
+    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=3, warmup=1, clock=clock, levels=[8])
     assert clock.calls == 9
     assert m.rows[0].unmerged_ms == pytest.approx(5) and m.rows[0].merged_ms == pytest.approx(2)
     zero = FakeClock([0.0] * 30)
     # One plan per block with share="block"; one per grid for ToDo.
-    assert M.measure(ldm, LATENT, 2, ToMeConfig(share="block"), rounds=1, clock=zero,
+    assert measure(ldm, LATENT, 2, ToMeConfig(share="block"), rounds=1, clock=zero,
                      levels=[1]).rows[0].plans == 5
-    assert M.measure(ldm, LATENT, 2, ToMeConfig(method="downsample"), rounds=1, clock=zero,
+    assert measure(ldm, LATENT, 2, ToMeConfig(method="downsample"), rounds=1, clock=zero,
                      levels=[1]).rows[0].plans == 1
 
 
@@ -150,14 +142,14 @@ def test_default_levels():
     """Up to max_downsample; auto: the first level with transformer blocks."""
     zero = FakeClock([0.0] * 60)
     sd15, sdxl = ldm_unet(TINY_SD15), ldm_unet(TINY_SDXL)
-    assert [r.level for r in M.measure(sd15, LATENT, 1, ToMeConfig(), rounds=1,
+    assert [r.level for r in measure(sd15, LATENT, 1, ToMeConfig(), rounds=1,
                                        clock=zero).rows] == [1]
-    assert [r.level for r in M.measure(sd15, LATENT, 1, ToMeConfig(max_downsample=4),
+    assert [r.level for r in measure(sd15, LATENT, 1, ToMeConfig(max_downsample=4),
                                        rounds=1, clock=zero).rows] == [1, 2, 4]
-    assert [r.level for r in M.measure(sdxl, LATENT, 1, ToMeConfig(), rounds=1,
+    assert [r.level for r in measure(sdxl, LATENT, 1, ToMeConfig(), rounds=1,
                                        clock=zero).rows] == [2]
     with pytest.raises(ValueError, match="no transformer blocks"):
-        M.measure(sdxl, LATENT, 1, ToMeConfig(), levels=[1])
+        measure(sdxl, LATENT, 1, ToMeConfig(), levels=[1])
 
 
 # ----------------------------------------------------------------------------- the real clock
@@ -165,7 +157,7 @@ def test_default_levels():
 @pytest.mark.parametrize("family", ["ldm", "diffusers"])
 def test_real_clock_table(family, ldm, dif):
     unet = ldm if family == "ldm" else dif
-    m = M.measure(unet, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 2, 4, 8])
+    m = measure(unet, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 2, 4, 8])
     assert [r.level for r in m.rows] == [1, 2, 4, 8]
     assert all(r.unmerged_ms > 0 and r.merged_ms > 0 and r.speedup > 0 for r in m.rows)
     assert m.dtype == "float32" and m.latent == LATENT and m.batch == 2 and m.device
@@ -173,7 +165,7 @@ def test_real_clock_table(family, ldm, dif):
     assert len(lines) == 2 + len(m.rows)
     assert len({len(line) for line in lines[1:]}) == 1  # aligned columns
     assert M.Measurement.from_json(m.to_json()) == m
-    todo = M.measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
+    todo = measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
     assert todo.method == "downsample" and todo.rows[0].merged_ms > 0
 
 
@@ -216,9 +208,9 @@ def test_measuring_leaves_the_model_bit_identical(family):
     flags = {n: m.training for n, m in unet.named_modules()}
     rng = torch.get_rng_state()
 
-    M.measure(unet, LATENT, 2, ToMeConfig(method="merge", merge_crossattn=True, merge_mlp=True),
+    measure(unet, LATENT, 2, ToMeConfig(method="merge", merge_crossattn=True, merge_mlp=True),
               rounds=1, levels=[1, 8])
-    M.measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
+    measure(unet, LATENT, 2, ToMeConfig(method="downsample"), rounds=1)
 
     assert torch.equal(torch.get_rng_state(), rng)
     assert {n: m.training for n, m in unet.named_modules()} == flags
@@ -233,8 +225,8 @@ def test_measuring_leaves_the_model_bit_identical(family):
 @pytest.mark.parametrize("family,method", [("ldm", "merge"), ("ldm", "downsample"),
                                            ("diffusers", "merge")])
 def test_merged_run_is_what_the_patch_runs(family, method):
-    """The representative block under ``_merged`` gives the output the patched UNet's block
-    gives for the same input."""
+    """The representative block run by ``patch.run_block`` gives the output the patched UNet's
+    block gives for the same input."""
     unet = ldm_unet(TINY_SD15) if family == "ldm" else diffusers_unet("sd15")
     block = next(iter(block_levels(unet)))
     config = ToMeConfig(method=method, use_rand=False, merge_crossattn=True, max_downsample=1)
@@ -262,8 +254,11 @@ def test_merged_run_is_what_the_patch_runs(family, method):
     hidden = seen["args"][0] if seen["args"] else seen["kwargs"]["hidden_states"]
     plan = planner.plan(planner.begin(LATENT, hidden.device, t), hidden, False)
     assert plan is not None
-    with M._merged(block, planner, plan):
-        out = block(*seen["args"], **seen["kwargs"])
+    kw = seen["kwargs"]
+    context = kw.get("context", kw.get("encoder_hidden_states"))
+    if context is None and len(seen["args"]) > 1:
+        context = seen["args"][1]
+    out = run_block(block, hidden, context, planner, plan)
     assert torch.equal(out, seen["out"])
     assert not torch.equal(block(*seen["args"], **seen["kwargs"]), out)  # it did merge
 
@@ -272,32 +267,32 @@ def test_merged_run_is_what_the_patch_runs(family, method):
 
 def test_cache_key_parts(ldm, dif, monkeypatch):
     c = ToMeConfig()
-    key = M.cache_key(ldm, LATENT, 2, c)
-    same = [M.cache_key(ldm, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
+    key = C.cache_key(ldm, LATENT, 2, c)
+    same = [C.cache_key(ldm, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
                                                   use_rand=False)),
-            M.cache_key(ldm_unet(TINY_SD15, seed=5), LATENT, 2, c)]  # other weights
+            C.cache_key(ldm_unet(TINY_SD15, seed=5), LATENT, 2, c)]  # other weights
     assert all(k == key for k in same)
-    other = [M.cache_key(ldm, (16, 24), 2, c), M.cache_key(ldm, LATENT, 1, c),
-             M.cache_key(copy.deepcopy(ldm).to(torch.bfloat16), LATENT, 2, c),
-             M.cache_key(dif, LATENT, 2, c),
-             M.cache_key(ldm_unet({**TINY_SD15, "num_heads": 4}), LATENT, 2, c),
-             M.cache_key(ldm, LATENT, 2, c.replace(method="downsample")),
-             M.cache_key(ldm, LATENT, 2, c.replace(ratio=0.3)),
-             M.cache_key(ldm, LATENT, 2, c.replace(max_downsample=2))]
-    monkeypatch.setattr(M, "device_name", lambda device: "Some Other CPU")
-    other.append(M.cache_key(ldm, LATENT, 2, c))
+    other = [C.cache_key(ldm, (16, 24), 2, c), C.cache_key(ldm, LATENT, 1, c),
+             C.cache_key(copy.deepcopy(ldm).to(torch.bfloat16), LATENT, 2, c),
+             C.cache_key(dif, LATENT, 2, c),
+             C.cache_key(ldm_unet({**TINY_SD15, "num_heads": 4}), LATENT, 2, c),
+             C.cache_key(ldm, LATENT, 2, c.replace(method="downsample")),
+             C.cache_key(ldm, LATENT, 2, c.replace(ratio=0.3)),
+             C.cache_key(ldm, LATENT, 2, c.replace(max_downsample=2))]
+    monkeypatch.setattr(C, "device_name", lambda device: "Some Other CPU")
+    other.append(C.cache_key(ldm, LATENT, 2, c))
     assert len({k.digest for k in [key, *other]}) == len(other) + 1
     parts = key.parts
     assert parts["latent"] == [16, 16] and parts["batch"] == 2 and parts["dtype"] == "float32"
     assert parts["torch"] == torch.__version__ and parts["capability"] is None
     assert parts["attention"].endswith("CrossAttention.forward")
     assert "seed" not in parts["config"] and "use_rand" not in parts["config"]
-    assert M.cache_key(dif, LATENT, 2, c).parts["attention"].startswith("AttnProcessor")
+    assert C.cache_key(dif, LATENT, 2, c).parts["attention"].startswith("AttnProcessor")
 
 
 def test_fingerprint_is_architecture_only(ldm, dif):
-    assert M.fingerprint(ldm) == M.fingerprint(ldm_unet(TINY_SD15, seed=3))
-    assert len({M.fingerprint(u) for u in (ldm, dif, ldm_unet(TINY_SDXL))}) == 3
+    assert C.fingerprint(ldm) == C.fingerprint(ldm_unet(TINY_SD15, seed=3))
+    assert len({C.fingerprint(u) for u in (ldm, dif, ldm_unet(TINY_SDXL))}) == 3
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -307,28 +302,28 @@ def _measurement(latent=(16, 16)):
 
 
 def _key(latent=(16, 16)):
-    return M.CacheKey.of({"device": "Test CPU", "dtype": "float32", "latent": list(latent),
+    return C.CacheKey.of({"device": "Test CPU", "dtype": "float32", "latent": list(latent),
                           "batch": 2, "config": {"method": "merge"}})
 
 
 def test_cache_round_trip(tmp_path):
     said = []
-    cache = M.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
+    cache = C.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
     assert cache.get(_key()) is None
     assert cache.put(_key(), _measurement())
     assert cache.put(_key((8, 8)), _measurement((8, 8)))
-    fresh = M.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
+    fresh = C.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
     assert fresh.get(_key()) == _measurement()
     assert fresh.get(_key((8, 8))) == _measurement((8, 8))
     assert fresh.get(_key((4, 4))) is None
     data = json.loads((tmp_path / "deep" / "m.json").read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == M.VERSION == 2
+    assert data["format"] == "tome-measurements" and data["version"] == C.VERSION == 2
     assert data["entries"][_key().digest]["parts"]["latent"] == [16, 16]  # readable
     assert said == [] and [p.name for p in (tmp_path / "deep").iterdir()] == ["m.json"]
 
 
 def _tampered_parts(path):
-    M.MeasurementCache(path, say=print).put(_key(), _measurement())
+    C.MeasurementCache(path, say=print).put(_key(), _measurement())
     data = json.loads(path.read_text())
     data["entries"][_key().digest]["parts"]["batch"] = 99
     return json.dumps(data).encode()
@@ -336,7 +331,7 @@ def _tampered_parts(path):
 
 def _other_key(path):
     """A valid entry filed under another key's digest: never used for that key."""
-    M.MeasurementCache(path, say=print).put(_key((8, 8)), _measurement((8, 8)))
+    C.MeasurementCache(path, say=print).put(_key((8, 8)), _measurement((8, 8)))
     data = json.loads(path.read_text())
     entries = data["entries"]
     entries[_key().digest] = entries.pop(_key((8, 8)).digest)
@@ -345,7 +340,7 @@ def _other_key(path):
 
 def _wrong_measurement(path):
     """Parts intact, measurement of another latent."""
-    M.MeasurementCache(path, say=print).put(_key(), _measurement((8, 8)))
+    C.MeasurementCache(path, say=print).put(_key(), _measurement((8, 8)))
     return path.read_bytes()
 
 
@@ -363,7 +358,7 @@ def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
     path.write_bytes(content(path) if callable(content) else content)
     capsys.readouterr()
     said = []
-    cache = M.MeasurementCache(path, say=said.append)
+    cache = C.MeasurementCache(path, say=said.append)
     assert cache.get(_key()) is None
     assert cache.get(_key()) is None
     assert len(said) == 1 and said[0].startswith("ToMe: ")
@@ -371,8 +366,8 @@ def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
     assert cache.put(_key(), _measurement())
     assert len(said) == 1
     data = json.loads(path.read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == M.VERSION == 2
-    assert M.MeasurementCache(path, say=said.append).get(_key()) == _measurement()
+    assert data["format"] == "tome-measurements" and data["version"] == C.VERSION == 2
+    assert C.MeasurementCache(path, say=said.append).get(_key()) == _measurement()
     assert len(said) == 1
 
 
@@ -380,7 +375,7 @@ def test_unwritable_cache_does_not_crash(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     said = []
-    cache = M.MeasurementCache(blocker / "sub" / "m.json", say=said.append)
+    cache = C.MeasurementCache(blocker / "sub" / "m.json", say=said.append)
     assert cache.put(_key(), _measurement()) is False
     assert cache.put(_key(), _measurement()) is False
     assert cache.get(_key()) is None
@@ -389,14 +384,14 @@ def test_unwritable_cache_does_not_crash(tmp_path):
 
 def test_default_cache_path(monkeypatch, tmp_path):
     monkeypatch.setenv("TOME_CACHE_DIR", str(tmp_path / "t"))
-    assert M.default_cache_path() == tmp_path / "t" / "measurements.json"
+    assert C.default_cache_path() == tmp_path / "t" / "measurements.json"
     monkeypatch.delenv("TOME_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert M.default_cache_path() == tmp_path / "x" / "tome-sd" / "measurements.json"
+    assert C.default_cache_path() == tmp_path / "x" / "tome-sd" / "measurements.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert M.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
-    assert M.MeasurementCache().path == M.default_cache_path()
+    assert C.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
+    assert C.MeasurementCache().path == C.default_cache_path()
 
 
 # ----------------------------------------------------------------------------- grad modes
@@ -409,7 +404,7 @@ def test_measuring_works_whatever_mode_measured_before(tmp_path, monkeypatch, fi
     both orders."""
     monkeypatch.setattr(M, "_flush", {})
     said = []
-    service = M.Measurer(M.MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
                          warmup=0)
     unet = ldm_unet(TINY_SD15)
     tome.apply_patch(unet, ratio=0.5, policy="auto", measure=service)

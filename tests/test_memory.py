@@ -13,9 +13,10 @@ import torch
 from models import TINY_SD15, ldm_inputs, ldm_unet
 
 import tome
-from tome import measure as M
+from tome import measurements as C
 from tome import memory
 from tome.config import ToMeConfig
+from tome.patch import run_block
 
 VM = namedtuple("VM", "available")
 
@@ -84,10 +85,10 @@ def test_the_module_level_kernel_of_forge_and_comfyui_is_named(monkeypatch):
 def test_a_size_that_does_not_fit_is_skipped_with_one_line_and_not_remembered(
         small_memory, tmp_path, monkeypatch):
     said = []
-    cache = M.MeasurementCache(tmp_path / "m.json")
-    service = M.Measurer(cache, say=said.append, rounds=1, warmup=0)
+    cache = C.MeasurementCache(tmp_path / "m.json")
+    service = C.Measurer(cache, say=said.append, rounds=1, warmup=0)
     unet = ldm_unet(TINY_SD15)
-    assert service.get(unet, (16, 16), 2, ToMeConfig()) is None
+    assert service.get(unet, (16, 16), 2, ToMeConfig(), runner=run_block) is None
     assert len(said) == 1 and said[0].startswith(
         "ToMe: not measured at 128x128 px, batch 2: timing the unmerged block needs about ")
     assert "(a full attention score matrix: ldm.modules.attention.CrossAttention.forward)" \
@@ -96,14 +97,14 @@ def test_a_size_that_does_not_fit_is_skipped_with_one_line_and_not_remembered(
     assert service.reason == said[0] and not (tmp_path / "m.json").exists()
     # memory freed later: measured then (a skip is never cached)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: VM(64 << 30))
-    assert service.get(unet, (16, 16), 2, ToMeConfig()) is not None
+    assert service.get(unet, (16, 16), 2, ToMeConfig(), runner=run_block) is not None
     assert service.reason is None and (tmp_path / "m.json").exists()
 
 
 def test_a_generation_whose_size_does_not_fit_is_decided_by_the_thresholds(small_memory,
                                                                            tmp_path):
     said = []
-    service = M.Measurer(M.MeasurementCache(tmp_path / "m.json"), say=said.append)
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), say=said.append)
     unet = ldm_unet(TINY_SD15)
     x = ldm_inputs(2, 16, 16)
     base = unet(*x)

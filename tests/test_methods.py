@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from models import TINY_SD15, ldm_inputs, ldm_unet, run
 
 import tome
-from tome import config, forge, methods, policy
+from tome import config, methods, policy
+from tome import patcher as mp
 from tome.config import ToMeConfig
 from tome.lab.settings import Setting
 
@@ -84,11 +85,11 @@ def test_a_new_method_works_in_the_library(subsample):
                                "cpu").merged
 
 
-def test_a_new_method_works_through_forge(subsample):
-    from test_forge import Patcher, self_attention_block
+def test_a_new_method_works_through_the_patcher_contract(subsample):
+    from stubs import Patcher, self_attention_block
 
     patcher = Patcher(ldm_unet(TINY_SD15))
-    unet, patch = forge.patch_unet(patcher, ToMeConfig(method="subsample",
+    unet, patch = mp.patch_unet(patcher, ToMeConfig(method="subsample",
                                                        downsample_factor=2))
     x = torch.randn(2, 16 * 16, 8)
     out = self_attention_block(unet, x, (2, 4, 16, 16))

@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import TINY_SD15, diffusers_unet, ldm_inputs, ldm_unet
+from stubs import fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
@@ -191,22 +192,10 @@ def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
     assert not torch.equal(out, ref_big)  # 4096 tokens: merged
 
 
-def fake_clock(speedup: float, calls: list | None = None, run_blocks: bool = True):
-    """A clock under which a merged block runs ``speedup`` times faster (plan builds free).
-    ``run_blocks=False`` skips running the blocks (only plans are built): fast at any size."""
-    def clock(fn):
-        if run_blocks or fn.__name__ == "build":
-            fn()
-        if calls is not None:
-            calls.append(fn.__name__)
-        return {"plain": 1.0, "build": 0.0, "merged": 1.0 / speedup}[fn.__name__]
-    return clock
-
-
 @pytest.mark.parametrize("speedup, merged", [(2.0, True), (1.04, False), (1.06, True),
                                              (0.8, False)])
 def test_auto_policy_decides_from_measurements(sd15, tmp_path, speedup, merged):
-    from tome.measure import MeasurementCache, Measurer
+    from tome.measurements import MeasurementCache, Measurer
 
     x = ldm_inputs(2, 16, 16)  # 256 tokens: below every threshold, so only a measurement merges
     base = sd15(*x)
@@ -239,7 +228,7 @@ def test_auto_policy_decides_from_measurements(sd15, tmp_path, speedup, merged):
 
 
 def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
-    from tome.measure import MeasurementCache, Measurer
+    from tome.measurements import MeasurementCache, Measurer
 
     calls = []
     service = Measurer(MeasurementCache(tmp_path / "m.json"), clock=fake_clock(3.0, calls))
@@ -256,7 +245,7 @@ def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
 
 
 def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
-    from tome.measure import MeasurementCache, Measurer
+    from tome.measurements import MeasurementCache, Measurer
 
     calls = []
     service = Measurer(MeasurementCache(tmp_path / "m.json"), say=lambda s: None, rounds=1,

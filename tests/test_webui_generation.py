@@ -213,16 +213,16 @@ def test_sd_unet_replacement_is_skipped_with_a_note(webui, capsys):
 
 
 def test_forge_model_is_patched_through_its_patcher(capsys):
-    from test_forge import Patcher
+    from stubs import Patcher
 
-    from tome import forge
+    from tome import patcher
     model = tiny_model()
     model.forge_objects = type("ForgeObjects", (), {})()
     model.forge_objects.unet = original = Patcher(model.model.diffusion_model)
     webui = WebUI(model)
     res = webui.generate(tome=on(ratio=0.4))
     patched = model.forge_objects.unet
-    assert patched is not original and getattr(patched, forge.MARK).config.ratio == 0.4
+    assert patched is not original and getattr(patched, patcher.MARK).config.ratio == 0.4
     assert not original.patches["attn1_patch"] and not tome.is_patched(model)
     assert "ToMe ratio: 0.4" in res.info
     assert capsys.readouterr().out.count("ToMe: Forge UNet (attn1 patch), first pass") == 1
@@ -230,7 +230,7 @@ def test_forge_model_is_patched_through_its_patcher(capsys):
 
 def test_forge_dit_is_reported_as_not_merged(capsys):
     """Forge Neo also runs Flux, Chroma, ...: their blocks never call the attn1 patches."""
-    from test_forge import FluxLike, Patcher
+    from stubs import FluxLike, Patcher
 
     model = tiny_model()
     model.forge_objects = type("ForgeObjects", (), {})()
@@ -404,10 +404,10 @@ def test_a_patch_that_fails_is_one_line_and_an_unmerged_image(webui, monkeypatch
 
 
 def test_forge_blocks_replaced_by_another_patch_are_reported_once(capsys):
-    from test_forge import Patcher
+    from stubs import Patcher
     from webui_stub.harness import processing
 
-    from tome import forge
+    from tome import patcher
 
     model = tiny_model()
     model.forge_objects = type("ForgeObjects", (), {})()
@@ -415,7 +415,7 @@ def test_forge_blocks_replaced_by_another_patch_are_reported_once(capsys):
     webui = WebUI(model)
 
     def sag_in_forge(p, m):  # what the Forge patch learns while the UNet runs
-        patch = getattr(m.forge_objects.unet, forge.MARK)
+        patch = getattr(m.forge_objects.unet, patcher.MARK)
         if not patch.skipped:
             patch.skipped.append((("middle", 0, 0), "attn1 replaced by another patch (e.g. "
                                                     "Self-Attention Guidance)"))
@@ -440,7 +440,7 @@ def test_settings_that_merge_nothing_say_so_and_claim_no_merge(capsys, recwarn):
 
 
 def test_forge_settings_that_merge_nothing_say_so():
-    from test_forge import Patcher
+    from stubs import Patcher
 
     model = tiny_model("sdxl")
     model.forge_objects = type("ForgeObjects", (), {})()
@@ -454,9 +454,9 @@ def test_forge_settings_that_merge_nothing_say_so():
 
 def _fake_measurer(monkeypatch, tmp_path, speedup, run_blocks=True):
     """The WebUI's measuring service with a fake clock and a cache of this test's own."""
-    from test_plan import fake_clock
+    from stubs import fake_clock
 
-    from tome.measure import MeasurementCache, Measurer
+    from tome.measurements import MeasurementCache, Measurer
     from tome.webui import host, runner
 
     calls = []
@@ -464,6 +464,9 @@ def _fake_measurer(monkeypatch, tmp_path, speedup, run_blocks=True):
                        rounds=2, warmup=int(run_blocks),
                        clock=fake_clock(speedup, calls, run_blocks))
     monkeypatch.setattr(runner, "_measurers", [service])
+    if not run_blocks:  # blocks never run: whatever this machine has free, they would fit
+        from tome import memory
+        monkeypatch.setattr(memory, "available", lambda device: 1 << 50)
     return calls
 
 
@@ -574,7 +577,7 @@ def test_measure_now_after_a_generation_that_measured(monkeypatch, tmp_path, cap
     from tome import measure as M
 
     monkeypatch.setattr(M, "_flush", {})
-    _fake_measurer(monkeypatch, tmp_path, 2.0)
+    _fake_measurer(monkeypatch, tmp_path, 2.0, run_blocks=False)
     webui = WebUI()
     processing.sampling_mode = sampling
     res = webui.generate(tome=on(), seed=4)
@@ -610,7 +613,7 @@ def test_measure_now_before_any_model_is_loaded(monkeypatch, tmp_path, capsys, r
 
 @pytest.mark.measure
 def test_measure_now_names_a_model_it_cannot_measure(monkeypatch, tmp_path, capsys):
-    from test_forge import FluxLike, Patcher
+    from stubs import FluxLike, Patcher
 
     _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
     model = tiny_model()

@@ -43,8 +43,8 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     ``measure`` (``auto`` policy only): at the first call of each latent size (in eager mode,
     never inside a compiled graph), time each level merged and unmerged on the model's own
     device and merge only where that is faster (``tome.measure``; cached on disk, see
-    ``tome.measure.default_cache_path``). ``False``: the device kind's token thresholds
-    decide. A ``tome.measure.Measurer`` sets where results go.
+    ``tome.measurements.default_cache_path``). ``False``: the device kind's token thresholds
+    decide. A ``tome.measurements.Measurer`` sets where results go.
 
     Patching again replaces the previous patch (ours or tomesd's). Bad settings raise
     ``ValueError`` and an unsupported model ``UnsupportedModelError`` before anything changes.
@@ -57,9 +57,9 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
         config = config.replace(**extra)
     measurer = None
     if config.policy == "auto" and measure is not False:
-        from .measure import Measurer
-        service = measure if isinstance(measure, Measurer) else Measurer()
-        measurer = service.for_model(model, config)
+        from .measurements import Measurer
+        # A service: ``measurements.Measurer`` or anything with its ``for_model``.
+        measurer = measure if hasattr(measure, "for_model") else Measurer()
     return _patch.apply(model, config, measurer)
 
 

@@ -19,7 +19,6 @@ in ``unet.py``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ from .unet import (
     find_unet,
     is_block,
     nothing_to_merge,
+    unusable,
 )
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
@@ -104,26 +104,6 @@ class _State:
 
 
 # ----------------------------------------------------------------------------- blocks
-
-def unusable(block: nn.Module, sub_layers: Iterable[str]) -> str | None:
-    """Why ``block`` cannot run our way at all, or None: another extension took it over (its
-    or a sub-layer's forward replaced on the instance: ControlNet reference, Self-Attention
-    Guidance, which records attn1's attention map in the middle block and expects every
-    token), tomesd patched it, or it lacks a sub-layer the method uses."""
-    if "_forward" in vars(block) or "forward" in vars(block):
-        return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
-    if type(block).__name__ == "ToMeBlock":
-        return "patched by tomesd"
-    subs = tuple(sub_layers)
-    missing = [n for n in subs if not isinstance(getattr(block, n, None), nn.Module)]
-    if missing:
-        return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
-    for name in subs:
-        if "forward" in vars(getattr(block, name)):
-            return (f"{name} forward replaced on the instance by another extension (e.g. "
-                    "Self-Attention Guidance)")
-    return None
-
 
 def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method) -> str | None:
     """Why a block cannot be patched safely, or None: it is unusable, or another patch
@@ -282,13 +262,37 @@ class _Hooks:
         return hook
 
 
+# ----------------------------------------------------------------------------- one block
+
+def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
+              planner: _plan.Planner, plan: Any) -> Any:
+    """Run ``block`` on ``x`` with ``plan`` applied (None: unmerged), as a patched block runs:
+    the method's sub-layers get the same argument plumbing, on temporary hooks removed on
+    exit. The measurement's runner for this adapter (``patcher.run_block`` is its twin)."""
+    method, kv_name, handles = planner.method, context_keyword(block), []
+    kw = {} if context is None else {kv_name: context}
+    try:
+        for name in method.sub_layers(planner.config) if plan is not None else ():
+            sub = getattr(block, name)
+            handles.append(sub.register_forward_pre_hook(
+                lambda m, a, k: reduce_args(method, plan, a, k, kv_name), with_kwargs=True))
+            if method.unmerges:
+                handles.append(sub.register_forward_hook(
+                    lambda m, a, k, out: restore_output(method, plan, out), with_kwargs=True))
+        return block(x, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 # ----------------------------------------------------------------------------- public API
 
 def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
     """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was.
 
-    ``measurer``: for the ``auto`` policy, ``(size, batch, device) -> {level: (speed-up,
-    device)}``, asked at the first call of each latent size (``measure.Measurer.for_model``).
+    ``measurer``: for the ``auto`` policy, the measuring service
+    (``measurements.Measurer``); the planner asks it at the first call of each latent size,
+    through ``run_block``.
     """
     unet = find_unet(model)
     method = methods.get(config.method)
@@ -331,7 +335,8 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
     if nothing:
         warnings.warn(nothing, stacklevel=3)
 
-    state = _State(config, report, decoder_blocks(unet), measurer)
+    measured = measurer.for_model(model, config, run_block) if measurer is not None else None
+    state = _State(config, report, decoder_blocks(unet), measured)
     hooks = _Hooks(state)
     try:
         h = state.handles

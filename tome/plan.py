@@ -1,6 +1,6 @@
 """What to merge in one UNet call: the plan module shared by every host adapter.
 
-Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``forge.py``:
+Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``patcher.py``:
 Forge's UNet patcher) see the same things: a UNet call starts (latent size, timestep), then
 transformer blocks run, each with a token sequence. ``Planner`` turns that into one plan per
 block, or nothing, deciding
@@ -69,7 +69,7 @@ class Call:
     __slots__ = ("size", "timestep", "kind", "measured", "plans", "partitions")
 
     def __init__(self, size: tuple[int, int], timestep: Any, kind: str,
-                 measured: dict[int, tuple[float, str]] | None = None):
+                 measured: dict[int, policy.LevelSpeed] | None = None):
         self.size, self.timestep, self.kind = size, timestep, kind
         self.measured = measured or {}  # level -> (speed-up, device) measured at this size
         self.plans: dict[tuple, Any] = {}
@@ -86,7 +86,7 @@ class Planner:
         # ``auto`` policy: ``measurer(size, batch, device) -> {level: (speed-up, device)}``,
         # asked once per latent size, in eager mode only (never while compiling a graph).
         self.measurer = measurer if config.policy == "auto" else None
-        self.measured: dict[tuple[int, int], dict[int, tuple[float, str]]] = {}
+        self.measured: dict[tuple[int, int], dict[int, policy.LevelSpeed]] = {}
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (level, tokens, device kind, measured) -> policy.Decision, filled as levels are met.
@@ -122,7 +122,7 @@ class Planner:
             self.measured[size] = self.measurer(size, batch, device) or {}
 
     def decision(self, level: int, tokens: int, kind: str,
-                 measured: tuple[float, str] | None = None) -> policy.Decision:
+                 measured: policy.LevelSpeed | None = None) -> policy.Decision:
         if merge.compiling():  # a dict filled on the first call would recompile
             return policy.decide_level(self.config, level, tokens, kind, measured)
         key = (level, tokens, kind, measured)

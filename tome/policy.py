@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import methods
 from .config import ToMeConfig
@@ -49,6 +50,14 @@ def device_kind(device: object) -> str:
     return kind if kind in KINDS else FALLBACK
 
 
+class LevelSpeed(NamedTuple):
+    """A level's measured speed-up (unmerged time / merged time) and the device measured on:
+    what a measurement hands the policy (``measurements.speedups``)."""
+
+    speedup: float
+    device: str
+
+
 @dataclass(frozen=True)
 class Decision:
     """Whether one UNet level is merged in a pass, and why (for the console and infotext)."""
@@ -67,7 +76,7 @@ def level_tokens(latent: tuple[int, int], level: int) -> int:
 
 
 def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
-                 measured: tuple[float, str] | None = None) -> Decision:
+                 measured: LevelSpeed | None = None) -> Decision:
     """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``;
     ``measured``: ``(speed-up, device name)`` of this level on this device, if measured."""
     if config.policy == "fixed":
@@ -87,7 +96,7 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
 
 
 def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
-           kind: str, measured: dict[int, tuple[float, str]] | None = None) -> list[Decision]:
+           kind: str, measured: dict[int, LevelSpeed] | None = None) -> list[Decision]:
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
 
     ``fixed`` merges every one of them; ``auto`` those measured at least ``MARGIN`` faster

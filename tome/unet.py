@@ -1,12 +1,13 @@
 """Reading a UNet: where it is inside a model, its transformer blocks and their levels.
 
-Shared by both host adapters (``patch.py``, ``forge.py``), the measurement and the lab, so
+Shared by both host adapters (``patch.py``, ``patcher.py``), the measurement and the lab, so
 there is one answer to "which blocks are at which level" and one auto level. Structure only:
 nothing here changes a model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -86,6 +87,39 @@ def block_levels(unet: nn.Module) -> dict[nn.Module, int]:
         if is_block(m):
             levels.setdefault(m, 0)
     return levels
+
+
+def channels(block: nn.Module) -> int:
+    """The width of a transformer block's tokens."""
+    norm = getattr(block, "norm1", None)
+    shape = getattr(norm, "normalized_shape", None)
+    return int(shape[0]) if shape else int(block.attn1.to_q.in_features)
+
+
+def context_dim(block: nn.Module) -> int | None:
+    """The width of the context its cross-attention reads (None without one)."""
+    to_k = getattr(getattr(block, "attn2", None), "to_k", None)
+    return int(to_k.in_features) if to_k is not None else None
+
+
+def unusable(block: nn.Module, sub_layers: Iterable[str]) -> str | None:
+    """Why ``block`` cannot run our way at all, or None: another extension took it over (its
+    or a sub-layer's forward replaced on the instance: ControlNet reference, Self-Attention
+    Guidance, which records attn1's attention map in the middle block and expects every
+    token), tomesd patched it, or it lacks a sub-layer the method uses."""
+    if "_forward" in vars(block) or "forward" in vars(block):
+        return "forward shadowed on the instance by another extension (e.g. ControlNet reference)"
+    if type(block).__name__ == "ToMeBlock":
+        return "patched by tomesd"
+    subs = tuple(sub_layers)
+    missing = [n for n in subs if not isinstance(getattr(block, n, None), nn.Module)]
+    if missing:
+        return f"unsupported block variant {type(block).__qualname__}: no {', '.join(missing)}"
+    for name in subs:
+        if "forward" in vars(getattr(block, name)):
+            return (f"{name} forward replaced on the instance by another extension (e.g. "
+                    "Self-Attention Guidance)")
+    return None
 
 
 def known_levels(unet: nn.Module | None) -> list[int]:

@@ -56,7 +56,7 @@ _MEASURER: list[Any] = []
 
 def _measurer() -> Any:
     if not _MEASURER:
-        from tome.measure import Measurer
+        from tome.measurements import Measurer
         _MEASURER.append(Measurer())
     return _MEASURER[0]
 

@@ -41,6 +41,7 @@ from tome import patch as _patch
 from tome import policy
 from tome.config import ToMeConfig
 from tome.measure import measure
+from tome.patch import run_block
 from tome.unet import block_levels, find_unet, known_levels
 
 from .device import device_name, pick_device, pick_dtype
@@ -53,10 +54,16 @@ GENERATION_STEPS = 20
 NOISE = 0.01
 
 
-def _forced(levels: dict[int, bool]):
-    """A measurer that says exactly which levels pay: how one level alone is merged."""
-    return lambda size, batch, device: {lv: (2.0 if on else 0.5, "forced")
-                                        for lv, on in levels.items()}
+class _forced:  # noqa: N801 (used like a function: _forced({1: True}))
+    """A measuring service that says exactly which levels pay: how one level alone is
+    merged. Like ``measurements.Measurer``, each adapter asks it for a model's measurer."""
+
+    def __init__(self, levels: dict[int, bool]):
+        self.levels = levels
+
+    def for_model(self, model: Any, config: Any, runner: Any):
+        return lambda size, batch, device: {
+            lv: policy.LevelSpeed(2.0 if on else 0.5, "forced") for lv, on in self.levels.items()}
 
 
 class LevelClock:
@@ -109,7 +116,8 @@ def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
     levels = [lv for lv in known_levels(unet) if lv <= top]
     latent = (case.size // 8, case.size // 8)
     t0 = time.perf_counter()
-    m = measure(unet, latent, case.batch, config, rounds=rounds, levels=levels)
+    m = measure(unet, latent, case.batch, config, rounds=rounds, levels=levels,
+                runner=run_block)
     measure_s = time.perf_counter() - t0
     measured = {r.level: r for r in m.rows}
     settings: dict[str, Any] = {"unmerged": None}

@@ -89,7 +89,7 @@ def cache_path() -> Any:
     import os
     from pathlib import Path
 
-    from ..measure import default_cache_path
+    from ..measurements import default_cache_path
     if os.environ.get("TOME_CACHE_DIR"):
         return default_cache_path()
     try:

@@ -12,7 +12,8 @@ import html
 from typing import Any
 
 from .. import policy
-from ..measure import Measurement, Measurer
+from ..measure import Measurement
+from ..measurements import Measurer
 from ..unet import UnsupportedModelError, find_unet, known_levels
 from . import host, narrate, runner
 from . import script_args as A
@@ -33,23 +34,22 @@ def _unet(model: Any) -> tuple[Any, Any]:
     """The UNet to time and how to run its blocks (the hook adapter's way, or the Forge
     family's patcher contract, its model moved to the sampling device first); raises
     ``UnsupportedModelError`` naming the model where there is nothing to measure."""
-    from .. import forge
-    from ..measure import hook_runner
+    from .. import patch, patcher
 
     reason = host.unsupported(model)
     if reason is not None:
         raise UnsupportedModelError(f"ToMe: {reason}")
-    run_block = hook_runner
+    run_block = patch.run_block
     if hasattr(model, "forge_objects"):
         unet = getattr(model.forge_objects.unet.model, "diffusion_model", None)
-        run_block = forge.run_block
+        run_block = patcher.run_block
     else:
         unet = find_unet(model)
     if not known_levels(unet):
         name = type(unet).__name__ if unet is not None else "no model"
         raise UnsupportedModelError(f"ToMe: {name} has no UNet transformer blocks to merge "
                                     "(ToMe measures SD1, SD2 and SDXL UNets)")
-    if run_block is not hook_runner:
+    if run_block is patcher.run_block:
         host.load_for_sampling(model.forge_objects.unet)
     return unet, run_block
 

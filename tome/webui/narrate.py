@@ -119,7 +119,7 @@ class Voice:
 
     def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, levels: list[int],
                     latent: tuple[int, int], kind: str,
-                    measured: dict[int, tuple[float, str]] | None = None) -> None:
+                    measured: dict[int, policy.LevelSpeed] | None = None) -> None:
         """Once per pass: what the auto policy does and why (console and infotext), and which
         levels it merged (infotext: pasting reproduces the image on any machine)."""
         if cfg.policy != "auto" or name in self.auto:

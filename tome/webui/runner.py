@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import apply_patch, is_patched, patch_report, policy, remove_patch
 from ..config import ToMeConfig
-from ..measure import MeasurementCache, Measurer
+from ..measurements import MeasurementCache, Measurer
 from ..patch import state_of
 from ..unet import UnsupportedModelError
 from . import host, infotext, narrate
@@ -285,11 +285,11 @@ def _patch_hooks(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str
 def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
                  x: Any) -> None:
     """Forge rebuilds its UNet patcher before every pass: add our patches to that pass's clone."""
-    from .. import forge
+    from .. import patcher
     original = model.forge_objects.unet
     measurer = _measurer(cfg)
     try:
-        unet, patch = forge.patch_unet(original, cfg, lambda: model.forge_objects.unet,
+        unet, patch = patcher.patch_unet(original, cfg, lambda: model.forge_objects.unet,
                                        measurer or None)
     except UnsupportedModelError as e:  # a DiT (Flux, Chroma, ...): nothing to merge
         gen.voice.skip_model(p, str(e).removeprefix("ToMe: "))

@@ -1,10 +1,12 @@
-"""Forge adapter: the same merge, applied through Forge's UNet patcher instead of hooks.
+"""ModelPatcher adapter: the same merge, applied through a UNet patcher instead of hooks.
 
-Forge runs its own UNet (``IntegratedUNet2DConditionModel``) and rebuilds the patched UNet
-before every sampling pass from ``forge_objects.unet``, a ``UnetPatcher``. Modules are shared
-between patcher clones, so hooks would leak into other passes; the supported way is a clone
-with an ``attn1`` patch, called as ``(n, k, v, extra_options) -> (n, k, v)`` right before
-self-attention, and an ``attn1`` output patch ``(n, extra_options) -> n`` right after it.
+The contract it speaks is the one the Forge family (Forge, Forge Neo, reForge, Forge Classic)
+and ComfyUI share: a ``ModelPatcher`` (Forge: ``UnetPatcher``) whose ``clone()`` shares the
+modules, so hooks would leak into other passes; the supported way is a clone with an
+``attn1`` patch, called as ``(n, k, v, extra_options) -> (n, k, v)`` right before
+self-attention, and an ``attn1`` output patch ``(n, extra_options) -> n`` right after it, with
+``transformer_options`` (``original_shape``, ``block``, ``sigmas``) in ``extra_options``. The
+host rebuilds the patched UNet before every sampling pass from its patcher.
 
 Differences from the hook-based patch, both forced by what the patcher exposes:
 - the similarity metric is the normalised block input ``norm1(x)`` (what ComfyUI's ToMe uses),

@@ -1,0 +1,138 @@
+"""Stand-ins and fake clocks shared by the tests (one home: no test imports another).
+
+- ``Patcher``, ``self_attention_block``, ``forge_unet``: the ModelPatcher contract as the Forge
+  family and ComfyUI keep it (webui-host-contract.md), written from observed behaviour;
+- ``FluxLike``: a DiT whose blocks never call the attn1 patches;
+- ``FakeClock``, ``fake_clock``: measuring clocks that answer per phase
+  (``measure.PHASES``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from models import TINY_SD15, ldm_unet
+
+from tome.measure import PHASES
+
+
+class Patcher:
+    """Forge's UnetPatcher as the contract describes it: clones share the model; attn1
+    replacements live in ``model_options["transformer_options"]["patches_replace"]``."""
+
+    def __init__(self, diffusion_model):
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = diffusion_model
+        self.patches = {"attn1_patch": [], "attn1_output_patch": []}
+        self.model_options = {"transformer_options": {}}
+
+    def clone(self):
+        c = copy.copy(self)
+        c.patches = {k: list(v) for k, v in self.patches.items()}
+        c.model_options = copy.deepcopy(self.model_options)
+        return c
+
+    def set_model_attn1_replace(self, fn, block_name, number, index):
+        to = self.model_options["transformer_options"]
+        to.setdefault("patches_replace", {}).setdefault("attn1", {})[
+            (block_name, number, index)] = fn
+
+    def set_model_attn1_patch(self, fn):
+        self.patches["attn1_patch"].append(fn)
+
+    def set_model_attn1_output_patch(self, fn):
+        self.patches["attn1_output_patch"].append(fn)
+
+
+def self_attention_block(patcher, x, shape, sigma=1.0, cross=None, block=("input", 1), index=0):
+    """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention or its
+    replacement). As in Forge, ``patches_replace`` is not among the patches' ``extra``."""
+    n = F.layer_norm(x, x.shape[-1:])
+    k = v = n if cross is None else cross
+    extra = {"original_shape": list(shape), "sigmas": torch.tensor([sigma]), "block": block,
+             "block_index": index}
+    for p in patcher.patches["attn1_patch"]:
+        n, k, v = p(n, k, v, extra)
+    replace = patcher.model_options["transformer_options"].get("patches_replace", {})
+    attention = replace.get("attn1", {}).get((*block, index))
+    out = attention(n, k, v, extra) if attention else F.scaled_dot_product_attention(n, k, v)
+    for p in patcher.patches["attn1_output_patch"]:
+        out = p(out, extra)
+    return x + out
+
+
+def forge_unet():
+    """The tiny UNet with Forge's block contract: ``forward(x, context, transformer_options)``
+    calling ``patches["attn1_patch"]`` with (n, k, v) right before attn1 and
+    ``patches["attn1_output_patch"]`` right after (webui-host-contract.md; Forge Classic's
+    ``ldm_patched`` block behaves the same)."""
+    from ldm.modules.attention import BasicTransformerBlock
+
+    class ForgeBlock(BasicTransformerBlock):
+        def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (as Forge)
+            patches = transformer_options.get("patches", {})
+            extra = {k: v for k, v in transformer_options.items()
+                     if k not in ("patches", "patches_replace")}
+            n = self.norm1(x)
+            k = v = n
+            for p in patches.get("attn1_patch", []):
+                n, k, v = p(n, k, v, extra)
+            q = self.attn1.to_q(n)
+            k, v = self.attn1.to_k(k), self.attn1.to_v(v)
+            h = self.attn1.heads
+            split = [t.unflatten(-1, (h, -1)).transpose(1, 2) for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*split).transpose(1, 2).flatten(2)
+            out = self.attn1.to_out(out)
+            for p in patches.get("attn1_output_patch", []):
+                out = p(out, extra)
+            x = x + out
+            x = self.attn2(self.norm2(x), context=context) + x
+            return self.ff(self.norm3(x)) + x
+
+    unet = ldm_unet(TINY_SD15)
+    for m in unet.modules():
+        if type(m) is BasicTransformerBlock:
+            m.__class__ = ForgeBlock
+    return unet
+
+
+class FluxLike(torch.nn.Module):
+    """A stand-in of the DiTs Forge Neo also runs (Flux, Chroma, Qwen-Image, Lumina, Wan,
+    Z-Image): transformer blocks that are not ``BasicTransformerBlock`` and never call the
+    attn1 patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.double_blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.single_blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+
+
+class FakeClock:
+    """Returns the given seconds in turn, given per round as (unmerged, plan build, merged)
+    whatever order the rounds run them in, and runs ``fn`` as a real clock would."""
+
+    def __init__(self, seconds):
+        seconds = list(seconds)
+        self.queues = {name: seconds[i::3] for i, name in enumerate(PHASES)}
+        self.calls = 0
+
+    def __call__(self, phase, fn):
+        fn()
+        self.calls += 1
+        return self.queues[phase].pop(0)
+
+
+def fake_clock(speedup: float, calls: list | None = None, run_blocks: bool = True):
+    """A clock under which a merged block runs ``speedup`` times faster (plan builds free).
+    ``run_blocks=False`` skips running the blocks (only plans are built): fast at any size."""
+    def clock(phase, fn):
+        if run_blocks or phase == "build":
+            fn()
+        if calls is not None:
+            calls.append(phase)
+        return {"unmerged": 1.0, "build": 0.0, "merged": 1.0 / speedup}[phase]
+    return clock
+
+

@@ -1,0 +1,304 @@
+"""Remembering measurements: the cache key, the cache file and the measuring service.
+
+``measure.py`` times a model; this room makes sure that happens once per setup, not once per
+image: ``cache_key`` names everything that changes the answer, ``MeasurementCache`` keeps the
+answers in one small JSON file (a corrupt or foreign file is ignored, never trusted), and
+``Measurer`` is the service behind the auto policy: asked by a host adapter at the first call
+of each size, it answers from memory, the file, or a new measurement, and says one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import memory, methods
+from .config import ToMeConfig
+from .measure import (
+    Clock,
+    Measurement,
+    Runner,
+    attention_backend,
+    decide,
+    device_name,
+    levels_to_measure,
+    measure,
+)
+from .policy import LevelSpeed
+from .unet import block_levels, channels, context_dim, decoder_blocks, find_unet
+
+# Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
+FORMAT, VERSION = "tome-measurements", 2
+# The config fields that change the merged cost (less those the method ignores); seed, start,
+# end, policy and use_rand do not.
+KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_factor",
+              "merge_attn", "merge_crossattn", "merge_mlp")
+
+
+def fingerprint(model: Any) -> str:
+    """A short hash of the UNet's architecture (class; per transformer block: level, side,
+    channels, heads, context dim), never its weights: fine-tunes of one model share timings."""
+    unet = find_unet(model)
+    decoder = decoder_blocks(unet)
+    blocks = [[lv, b in decoder, channels(b), getattr(b.attn1, "heads", None), context_dim(b)]
+              for b, lv in block_levels(unet).items()]
+    arch = {"class": f"{type(unet).__module__}.{type(unet).__qualname__}", "blocks": blocks}
+    return hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """``digest``: sha1 of the canonical JSON of ``parts``, which stay readable in the file."""
+
+    digest: str
+    parts_json: str
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        return json.loads(self.parts_json)
+
+    @classmethod
+    def of(cls, parts: dict[str, Any]) -> CacheKey:
+        text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+        return cls(hashlib.sha1(text.encode()).hexdigest(), text)
+
+
+def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+              levels: Iterable[int] | None = None) -> CacheKey:
+    """Everything that changes ``measure``'s answer: device (and CUDA compute capability),
+    torch version, attention backend, dtype, CPU threads, architecture, latent, batch, the
+    levels measured and the config fields that change the merged cost."""
+    unet = find_unet(model)
+    by_level, chosen = levels_to_measure(unet, config, levels)
+    p = next(by_level[chosen[0]][0].parameters()) if chosen else next(unet.parameters())
+    dev = p.device
+    parts = {
+        "device": device_name(dev),
+        "capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda"
+        else None,
+        "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+        "torch": torch.__version__,
+        "attention": attention_backend(unet),
+        "dtype": str(p.dtype).removeprefix("torch."),
+        "unet": fingerprint(unet),
+        "latent": [int(latent[0]), int(latent[1])],
+        "batch": int(batch),
+        "levels": chosen,
+        "config": {f: getattr(config, f) for f in KEY_FIELDS
+                   if f not in methods.get(config.method).ignores},
+    }
+    return CacheKey.of(parts)
+
+
+
+
+def default_cache_path() -> Path:
+    """``$TOME_CACHE_DIR/measurements.json``, else ``$XDG_CACHE_HOME/tome-sd/...``, else
+    ``~/.cache/tome-sd/measurements.json``."""
+    if os.environ.get("TOME_CACHE_DIR"):
+        return Path(os.environ["TOME_CACHE_DIR"]) / "measurements.json"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tome-sd" / "measurements.json"
+
+
+def _consistent(parts: dict[str, Any], m: Measurement) -> bool:
+    """The measurement is of the setup its key names (a hand-edited file might not be)."""
+    return (m.device == parts.get("device") and m.dtype == parts.get("dtype")
+            and list(m.latent) == parts.get("latent") and m.batch == parts.get("batch")
+            and m.method == parts.get("config", {}).get("method"))
+
+
+class MeasurementCache:
+    """Measurements in one small JSON file: ``{"format", "version", "entries": {digest:
+    {"parts": ..., "measurement": ...}}}``.
+
+    A bad file (unreadable, corrupt, another format or version, entries that do not parse or
+    whose parts do not match their key) is never an error: it is ignored with one console line
+    (``say``) and rewritten by the next ``put``. Only valid entries survive a rewrite.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, say: Callable[[str], Any] = print):
+        self.path = Path(path) if path is not None else default_cache_path()
+        self.say = say
+        self._said: set[str] = set()
+
+    def _once(self, kind: str, line: str) -> None:
+        """One console line per kind of problem, however often the file is read."""
+        if kind not in self._said:
+            self._said.add(kind)
+            self.say(line)
+
+    def _complain(self, why: str) -> None:
+        self._once("read", f"ToMe: ignoring the measurement cache {self.path} ({why}); it "
+                   "will be rewritten")
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        """The valid entries of the file (none when it is missing or bad)."""
+        try:
+            data = json.loads(self.path.read_bytes())
+        except (FileNotFoundError, NotADirectoryError):  # nothing measured yet
+            return {}
+        except (OSError, ValueError) as e:
+            self._complain(f"unreadable: {type(e).__name__}")
+            return {}
+        if isinstance(data, dict) and data.get("format") == FORMAT \
+                and isinstance(data.get("version"), int) and data["version"] < VERSION:
+            self._once("read", f"ToMe: the measurements in {self.path} were taken by an older "
+                       "ToMe; each size is measured again and the file rewritten")
+            return {}
+        if not isinstance(data, dict) or data.get("format") != FORMAT \
+                or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+            self._complain(f"not a {FORMAT} version {VERSION} file")
+            return {}
+        good = {}
+        for digest, entry in data["entries"].items():
+            try:
+                if not isinstance(entry.get("parts"), dict):
+                    raise ValueError("no parts")
+                key = CacheKey.of(entry["parts"])
+                m = Measurement.from_dict(entry["measurement"])
+                if key.digest != digest or not _consistent(key.parts, m):
+                    raise ValueError("parts do not match")
+                good[digest] = entry
+            except (AttributeError, KeyError, TypeError, ValueError):
+                self._complain("an entry does not match its key")
+        return good
+
+    def get(self, key: CacheKey) -> Measurement | None:
+        entry = self._load().get(key.digest)
+        if entry is None or entry["parts"] != key.parts:
+            return None
+        return Measurement.from_dict(entry["measurement"])
+
+    def put(self, key: CacheKey, measurement: Measurement) -> bool:
+        """Store and write atomically (temp file + ``os.replace``); False, with one console
+        line, when the file cannot be written."""
+        entries = self._load()
+        entries[key.digest] = {"parts": key.parts, "measurement": measurement.to_dict()}
+        data = {"format": FORMAT, "version": VERSION, "entries": entries}
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".measurements-", suffix=".tmp",
+                                       dir=self.path.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+            return True
+        except OSError as e:
+            self._once("write", f"ToMe: could not write the measurement cache {self.path}: {e}")
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            return False
+
+
+# ----------------------------------------------------------------------------- measuring lazily
+
+class Measurer:
+    """Measures for the ``auto`` policy when a patched model meets a new size: the service
+    behind ``Planner.measurer``. Results are kept in memory and in the cache file, so each
+    setup is measured once; failures never fail a generation (one console line, then the
+    thresholds decide).
+
+    ``say``: where the one line per measurement goes; ``progress``: called with a short text
+    before measuring and with None after it (the WebUI's progress text).
+    """
+
+    def __init__(self, cache: MeasurementCache | None = None, say: Callable[[str], Any] = print,
+                 progress: Callable[[str], Any] | None = None, rounds: int = 5,
+                 warmup: int = 1, clock: Clock | None = None):
+        self.cache = cache if cache is not None else MeasurementCache(say=say)
+        self.say, self.progress = say, progress
+        self.rounds, self.warmup, self.clock = rounds, warmup, clock
+        self.results: dict[str, Measurement] = {}  # key digest -> measurement
+        # (model, its device and dtype, size, batch, config) -> measurement: skips building the
+        # key (walking the model) when a patch is re-applied for every pass.
+        self.seen: dict[tuple, Measurement] = {}
+        self.last: Measurement | None = None
+        self.reason: str | None = None  # why the latest ``get`` returned None (its line)
+
+    def get(self, model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+            runner: Runner, device: torch.device | None = None,
+            levels: Iterable[int] | None = None) -> Measurement | None:
+        """The measurement of ``model`` at this size: from memory, the cache, or measured now.
+        None (and one console line, also kept as ``reason``) where it is not measured: the
+        UNet's blocks are not on ``device`` (the sampling device; --medvram/--lowvram keep them
+        elsewhere until they run), a timed run would not fit in memory (``memory.py``; not
+        remembered: memory may be free next time), or measuring failed."""
+        self.reason = None
+        h, w = latent
+        try:
+            p = next(find_unet(model).parameters())
+            quick = (id(model), p.device, p.dtype, tuple(latent), batch, config.replace(
+                seed=0, policy="auto", start=0.0, end=1.0, use_rand=True),
+                None if levels is None else tuple(levels))
+            if quick in self.seen:
+                return self.seen[quick]
+            key = cache_key(model, latent, batch, config, levels=levels)
+            found = self.results.get(key.digest) or self.cache.get(key)
+            if found is None:
+                found = self._measure(model, latent, batch, config, device, runner, levels, key)
+        except memory.NotEnoughMemoryError as e:
+            return self._not(f"ToMe: not measured at {w * 8}x{h * 8} px, batch {batch}: {e}; "
+                             "the token thresholds decide")
+        except Exception as e:  # noqa: BLE001 (the thresholds decide instead)
+            return self._not(f"ToMe: could not measure {w * 8}x{h * 8} px ({type(e).__name__}: "
+                             f"{e}); the token thresholds decide")
+        if found is not None:
+            self.results[key.digest] = self.seen[quick] = self.last = found
+        return found
+
+    def _not(self, line: str) -> None:
+        self.reason = line
+        self.say(line)
+        return None
+
+    def _measure(self, model, latent, batch, config, device, runner, levels, key):
+        unet = find_unet(model)
+        on = next(unet.parameters()).device
+        if device is not None and torch.device(device) != on:
+            return self._not(f"ToMe: not measured: the UNet is on {on}, sampling runs on "
+                             f"{device} (--medvram/--lowvram); the token thresholds decide")
+        h, w = latent
+        if self.progress is not None:
+            self.progress(f"ToMe: measuring {w * 8}x{h * 8} px")
+        t0 = time.perf_counter()
+        try:
+            m = measure(unet, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
+                        clock=self.clock, levels=levels, runner=runner)
+        finally:
+            if self.progress is not None:
+                self.progress(None)
+        seconds = time.perf_counter() - t0
+        self.cache.put(key, m)
+        rows = ", ".join(f"ds{r.level} {r.speedup:.2f}x "
+                         + ("merged" if decide(r) else "not merged") for r in m.rows)
+        self.say(f"ToMe: measured {w * 8}x{h * 8} px, batch {batch}, {m.method}, on {m.device} "
+                 f"({m.dtype}) in {seconds:.1f} s: {rows or 'no level to merge'}")
+        return m
+
+    def for_model(self, model: Any, config: ToMeConfig, runner: Runner
+                  ) -> Callable[[tuple[int, int], int, torch.device], dict[int, LevelSpeed]]:
+        """The ``Planner.measurer`` of one patched model, built by its host adapter (which
+        says how its blocks run merged: ``runner``): ``(size, batch, device) -> {level:
+        LevelSpeed}``."""
+        def measured(size: tuple[int, int], batch: int, device: torch.device) -> dict:
+            m = self.get(model, size, batch, config, device=device, runner=runner)
+            return {} if m is None else speedups(m)
+        return measured
+
+
+def speedups(m: Measurement) -> dict[int, LevelSpeed]:
+    """``{level: LevelSpeed}``: what the policy reads."""
+    return {r.level: LevelSpeed(r.speedup, m.device) for r in m.rows}
