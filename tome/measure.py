@@ -326,9 +326,7 @@ def _check_memory(unet: nn.Module, latent: tuple[int, int], batch: int,
     runs = [(b, policy.level_tokens(latent, lv), channels(b)) for lv, b in chosen.items()
             if b is not None]
     if runs:
-        backend = attention_backend(unet)
-        memory.check(memory.estimate(runs, batch, backend), next(runs[0][0].parameters()).device,
-                     memory.full_scores(backend), backend)
+        memory.check(runs, batch, attention_backend(unet))
 
 
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:

@@ -120,16 +120,11 @@ def _cpu_available() -> int | None:
     return None
 
 
-def check(need: int, device: torch.device, full: bool, backend: str) -> None:
-    """Raise ``NotEnoughMemoryError`` unless ``need`` bytes (x ``MARGIN``, + ``HEADROOM``)
-    fit."""
-    free = available(device)
+def check(runs: list[tuple[nn.Module, int, int]], batch: int, backend: str) -> None:
+    """Raise ``NotEnoughMemoryError`` unless the largest ``block_bytes`` of the ``(block,
+    tokens, channels)`` runs (x ``MARGIN``, + ``HEADROOM``) fits on their device."""
+    full = full_scores(backend)
+    need = max(block_bytes(b, n, batch, c, full) for b, n, c in runs)
+    free = available(next(runs[0][0].parameters()).device)
     if free is not None and need * MARGIN + HEADROOM > free:
         raise NotEnoughMemoryError(need, free, full, backend)
-
-
-def estimate(blocks: list[tuple[nn.Module, int, int]], batch: int, backend: str) -> int:
-    """The largest ``block_bytes`` of ``(block, tokens, channels)`` runs."""
-    full = full_scores(backend)
-    return max((block_bytes(b, n, batch, c, full) for b, n, c in blocks), default=0)
-

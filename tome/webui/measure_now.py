@@ -39,19 +39,17 @@ def _unet(model: Any) -> tuple[Any, Any]:
     reason = host.unsupported(model)
     if reason is not None:
         raise UnsupportedModelError(f"ToMe: {reason}")
-    run_block = patch.run_block
-    if hasattr(model, "forge_objects"):
-        unet = getattr(model.forge_objects.unet.model, "diffusion_model", None)
-        run_block = patcher.run_block
-    else:
-        unet = find_unet(model)
+    forge = hasattr(model, "forge_objects")
+    unet = getattr(model.forge_objects.unet.model, "diffusion_model", None) if forge \
+        else find_unet(model)
     if not known_levels(unet):
         name = type(unet).__name__ if unet is not None else "no model"
         raise UnsupportedModelError(f"ToMe: {name} has no UNet transformer blocks to merge "
                                     "(ToMe measures SD1, SD2 and SDXL UNets)")
-    if run_block is patcher.run_block:
-        host.load_for_sampling(model.forge_objects.unet)
-    return unet, run_block
+    if not forge:
+        return unet, patch.run_block
+    host.load_for_sampling(model.forge_objects.unet)
+    return unet, patcher.run_block
 
 
 def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurement]]:
