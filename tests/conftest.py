@@ -40,5 +40,5 @@ def _webui_thresholds(request, monkeypatch):
     gives machine-dependent answers); tests marked ``measure`` measure, with a fake clock."""
     if "webui" not in request.node.nodeid or request.node.get_closest_marker("measure"):
         return
-    from tome.webui import runner
-    monkeypatch.setattr(runner, "_measurer", lambda cfg: False)
+    from tome.webui import host
+    monkeypatch.setattr(host, "measurer", lambda cfg: None)

@@ -14,11 +14,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
 
 # Bottom to top. A module may import from its own layer and the ones below.
 LAYERS = [
-    ("tome.requirements", "tome.config"),
+    ("tome.requirements",),
     ("tome.merge",),
     ("tome.methods",),
-    ("tome.policy", "tome.unet", "tome.memory"),
+    ("tome.config",),   # validates method names against the methods' registry
+    ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),
+    ("tome.report",),
     ("tome.patch", "tome.patcher", "tome.measure"),
     ("tome.measurements",),
     ("tome",),          # the package's public API (__init__)

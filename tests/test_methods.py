@@ -50,17 +50,32 @@ class Subsample(methods.Method):
 def subsample():
     method = methods.register(Subsample())
     yield method
-    del methods.REGISTRY[method.name]
-    del config._RULES[method.name]
-    config.METHODS = tuple(m for m in config.METHODS if m != method.name)
+    methods.unregister(method.name)
 
 
 def test_config_names_are_the_registry():
-    assert set(config.METHODS) == set(methods.REGISTRY) == set(config._RULES)
+    assert config.choices("method") == methods.names() == tuple(methods.REGISTRY)
     for name, method in methods.REGISTRY.items():
         assert method.name == name and set(method.ignores) <= set(config.FIELDS)
         assert set(method.thresholds) <= set(policy.KINDS)
         assert method.value_field in config.FIELDS
+
+
+def test_a_registered_method_is_a_choice_until_unregistered():
+    method = methods.register(Subsample())
+    try:
+        assert "subsample" in config.choices("method") and ToMeConfig(method="subsample").active
+    finally:
+        methods.unregister(method.name)
+    assert "subsample" not in config.choices("method")
+    with pytest.raises(ValueError, match="method='subsample'"):
+        ToMeConfig(method="subsample")
+
+
+def test_only_random_destinations_make_the_seed_matter():
+    assert methods.get("merge").seeded(ToMeConfig())
+    assert not methods.get("merge").seeded(ToMeConfig(use_rand=False))
+    assert not methods.get("downsample").seeded(ToMeConfig(method="downsample"))
 
 
 def test_unknown_method_is_refused():

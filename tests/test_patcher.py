@@ -1,4 +1,5 @@
-"""The Forge adapter, against a stand-in of Forge's patcher contract (webui-host-contract.md):
+"""The ModelPatcher adapter, against a stand-in of the patcher contract the Forge family and
+ComfyUI share (webui-host-contract.md):
 ``clone()``, ``set_model_attn1_patch(fn(n, k, v, extra))``, ``set_model_attn1_output_patch(fn(n,
 extra))``, and a block that calls them around self-attention with ``extra["original_shape"]``."""
 
@@ -7,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import TINY_SD15, ldm_unet
+from models import TINY_SD15, TINY_SDXL, ldm_unet
 from stubs import FluxLike, Patcher, forge_unet, self_attention_block
 
+import tome
 from tome import merge
 from tome import patcher as mp
 from tome.config import ToMeConfig
@@ -57,7 +59,8 @@ def test_idempotent_inactive_and_seeded(patcher):
     unet, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))
     assert mp.patch_unet(unet, ToMeConfig(ratio=0.5, seed=3)) == (unet, patch)
     assert len(unet.patches["attn1_patch"]) == 1
-    assert mp.patch_unet(patcher, ToMeConfig(ratio=0.0)) == (patcher, None)
+    same, report = mp.patch_unet(patcher, ToMeConfig(ratio=0.0))
+    assert same is patcher and report.nothing == "ToMe: these settings change nothing"
     x = torch.randn(2, 256, 8)
     state = torch.get_rng_state()
     a = self_attention_block(unet, x, (2, 4, 16, 16), sigma=2.0)
@@ -110,12 +113,37 @@ def test_a_replacement_keyed_by_block_name_and_number_counts_too(patcher):
     ours, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
     to = ours.model_options["transformer_options"]
     to.setdefault("patches_replace", {}).setdefault("attn1", {})[("middle", 0)] = print
-    assert patch._replaced(("middle", 0, 0), {})
+    assert getattr(ours, mp.MARK)._replaced(("middle", 0, 0), {})
+
+
+def test_both_adapters_report_alike(patcher):
+    """One report from both adapters: the same family, levels and max downsample, and
+    settings that merge nothing as data (``nothing``), never an exception on one path and a
+    warning on the other."""
+    from tome import patch
+
+    for cfg in (ToMeConfig(ratio=0.5), ToMeConfig(ratio=0.5, max_downsample=8)):
+        unet = ldm_unet(TINY_SD15)
+        hooks = patch.apply(unet, cfg)
+        patch.remove(unet)
+        _, attn1 = mp.patch_unet(Patcher(ldm_unet(TINY_SD15)), cfg)
+        assert type(hooks) is type(attn1) and hooks.nothing is attn1.nothing is None
+        fields = ("family", "max_downsample", "levels", "total_blocks", "unmergeable")
+        assert [getattr(hooks, f) for f in fields] == [getattr(attn1, f) for f in fields]
+        assert hooks.planner.levels == attn1.planner.levels == sorted(hooks.levels)
+    deep = ToMeConfig(ratio=0.5, max_downsample=1)
+    unet = Patcher(ldm_unet(TINY_SDXL))  # SDXL has no block at full resolution
+    same, report = mp.patch_unet(unet, deep)
+    assert same is unet and not unet.patches["attn1_patch"]
+    assert report.nothing.startswith("ToMe: max_downsample=1 merges nothing on this model")
+    hooks = patch.apply(unet.model.diffusion_model, deep)
+    patch.remove(unet.model.diffusion_model)
+    assert hooks.nothing == report.nothing
 
 
 def test_a_model_without_a_unet_is_refused_and_left_unpatched():
     dit = Patcher(FluxLike())
-    with pytest.raises(mp.UnsupportedModelError, match="FluxLike is not a UNet"):
+    with pytest.raises(tome.UnsupportedModelError, match="FluxLike has no UNet transformer"):
         mp.patch_unet(dit, ToMeConfig(ratio=0.5))
     assert not dit.patches["attn1_patch"] and getattr(dit, mp.MARK, None) is None
 

@@ -1,7 +1,7 @@
 """The plan module (``tome/plan.py``) and the GPU-first properties of the merge path, checked
 on the CPU: determinism without atomics, few dispatched ops, one plan per level, counter-based
-destinations, the auto policy at run time, coexistence with attention-map users, and random
-settings (property-based)."""
+destinations, coexistence with attention-map users, and random settings (property-based). The
+auto policy's tests are in ``test_policy.py``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import TINY_SD15, diffusers_unet, ldm_inputs, ldm_unet
-from stubs import fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import merge, methods, plan, policy
+from tome import merge, plan
 from tome.config import ToMeConfig
-from tome.unet import auto_level
+from tome.layout import auto_level
 
 # Ops that accumulate with atomics on CUDA (non-deterministic, see the PyTorch docs of
 # torch.use_deterministic_algorithms), or that sum floats in a scheduling-dependent order.
@@ -169,122 +168,6 @@ def test_compiles_fullgraph_without_recompiling_per_timestep(sd15, inputs):
     finally:
         tome.remove_patch(sd15)
         torch._dynamo.reset()
-
-
-# ------------------------------------------------------------------------- auto policy
-
-def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
-    # CPU threshold: 4096 tokens. A 16x16 latent has 256 tokens at full resolution.
-    assert methods.get("merge").thresholds["cpu"] == 4096
-    small = ldm_inputs(2, 16, 16)
-    base = sd15(*small)
-    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=False)
-    try:
-        assert torch.equal(sd15(*small), base)  # not merged: bit-identical
-        (d,) = tome.patch_report(sd15).decisions.values()
-        assert not d.merged and "below the CPU threshold (4096)" in d.reason
-        big = ldm_inputs(1, 64, 64)
-        ref_big = None
-        out = sd15(*big)
-    finally:
-        tome.remove_patch(sd15)
-    ref_big = sd15(*big)
-    assert not torch.equal(out, ref_big)  # 4096 tokens: merged
-
-
-@pytest.mark.parametrize("speedup, merged", [(2.0, True), (1.04, False), (1.06, True),
-                                             (0.8, False)])
-def test_auto_policy_decides_from_measurements(sd15, tmp_path, speedup, merged):
-    from tome.measurements import MeasurementCache, Measurer
-
-    x = ldm_inputs(2, 16, 16)  # 256 tokens: below every threshold, so only a measurement merges
-    base = sd15(*x)
-    calls = []
-    said = []
-    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=2,
-                       clock=fake_clock(speedup, calls))
-    state = torch.get_rng_state()
-    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
-    try:
-        out = sd15(*x)
-        again = sd15(*x)
-        (d,) = tome.patch_report(sd15).decisions.values()
-    finally:
-        tome.remove_patch(sd15)
-    assert torch.equal(torch.get_rng_state(), state) and torch.equal(sd15(*x), base)
-    assert torch.equal(out, again) and torch.equal(out, base) != merged
-    assert d.merged is merged and d.reason.startswith(f"measured {speedup:.2f}x on ")
-    assert len(calls) == 3 * 2 and len(said) == 1 and "ToMe: measured 128x128 px" in said[0]
-    # a new patch of the same model reads the cache: nothing is measured again
-    calls.clear()
-    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=Measurer(
-        MeasurementCache(tmp_path / "m.json"), say=said.append, clock=fake_clock(9.0, calls)))
-    try:
-        sd15(*x)
-        (d,) = tome.patch_report(sd15).decisions.values()
-    finally:
-        tome.remove_patch(sd15)
-    assert not calls and d.merged is merged
-
-
-def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
-    from tome.measurements import MeasurementCache, Measurer
-
-    calls = []
-    service = Measurer(MeasurementCache(tmp_path / "m.json"), clock=fake_clock(3.0, calls))
-    for kw in ({"policy": "auto", "measure": False}, {"policy": "fixed", "measure": service}):
-        tome.apply_patch(sd15, ratio=0.5, **kw)
-        try:
-            sd15(*ldm_inputs(2, 16, 16))
-            (d,) = tome.patch_report(sd15).decisions.values()
-        finally:
-            tome.remove_patch(sd15)
-        assert d.reason in ("fixed policy", "256 tokens, below the CPU threshold (4096), "
-                            "not merged")
-    assert not calls
-
-
-def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
-    from tome.measurements import MeasurementCache, Measurer
-
-    calls = []
-    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=lambda s: None, rounds=1,
-                       clock=fake_clock(2.0, calls))
-    x = ldm_inputs(2, 16, 16)
-    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
-    try:
-        eager = sd15(*x)  # measures
-        measured = len(calls)
-        torch._dynamo.reset()
-        from torch._dynamo.testing import CompileCounter
-        counter = CompileCounter()
-        compiled = torch.compile(sd15, backend=counter, fullgraph=True)
-        out = compiled(*x)
-        out2 = compiled(*ldm_inputs(2, 16, 16, seed=5))
-        assert len(calls) == measured and counter.frame_count == 1
-        torch.testing.assert_close(out, eager)
-        assert out2.shape == out.shape
-        # a size never measured in eager mode is not measured inside the graph either
-        compiled(*ldm_inputs(2, 24, 24))
-        assert len(calls) == measured
-    finally:
-        tome.remove_patch(sd15)
-        torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("kind,tokens,merged", [
-    ("cuda", 4096, False), ("cuda", 16384, True), ("cpu", 4096, True), ("cpu", 1024, False),
-    ("mps", 4096, True), ("xla", 4096, False)])
-def test_policy_decisions_per_device_kind(kind, tokens, merged):
-    cfg = ToMeConfig(policy="auto")
-    assert policy.decide_level(cfg, 1, tokens, policy.device_kind(kind)).merged is merged
-    assert policy.decide_level(cfg.replace(policy="fixed"), 1, tokens, kind).merged
-
-
-def test_policy_summary_names_size_tokens_and_device():
-    cfg = ToMeConfig(policy="auto")
-    line = policy.summary(policy.decide(cfg, (64, 64), [1], "cuda"), (64, 64))
-    assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384), not merged"
 
 
 # ------------------------------------------------------------------------- other patchers

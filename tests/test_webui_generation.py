@@ -5,6 +5,7 @@ import torch
 from webui_stub.harness import WebUI, errors, sd_models, sd_unet, shared, tiny_model
 
 import tome
+from tome.webui import host
 from tome.webui import script_args as settings
 
 
@@ -238,7 +239,7 @@ def test_forge_dit_is_reported_as_not_merged(capsys):
     webui = WebUI(model)
     res = webui.generate(tome=on(ratio=0.4))
     assert model.forge_objects.unet is original and not original.patches["attn1_patch"]
-    assert 'ToMe skipped: "FluxLike is not a UNet with transformer blocks' in res.info
+    assert 'ToMe skipped: "FluxLike has no UNet transformer blocks to merge' in res.info
     assert "ToMe ratio" not in res.info and "ToMe auto" not in res.info
     out = capsys.readouterr().out
     assert out.count("ToMe: skipped, the image is generated without merging: FluxLike") == 1
@@ -368,10 +369,10 @@ def test_arguments_are_parsed_once_and_each_pass_derived_once(webui, monkeypatch
 def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys, recwarn):
     """The A1111 SAG extension replaces the middle block's attn1.forward on the instance to
     record its attention map, which needs every token."""
-    from tome.unet import block_levels
+    from tome.layout import read as read_layout
 
     unet = shared.sd_model.model.diffusion_model
-    middle = next(b for b, ds in block_levels(unet).items() if ds == 8)
+    middle = next(b for b, ds in read_layout(unet).level_of.items() if ds == 8)
     seen = []
     original = middle.attn1.forward
 
@@ -390,11 +391,11 @@ def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys
 
 
 def test_a_patch_that_fails_is_one_line_and_an_unmerged_image(webui, monkeypatch, capsys):
-    from tome.webui import runner
+    from tome import patch
 
-    def broken(model, config, **kwargs):
+    def broken(model, config, measurer=None):
         raise RuntimeError("unexpected layout")
-    monkeypatch.setattr(runner, "apply_patch", broken)
+    monkeypatch.setattr(patch, "apply", broken)
     res = webui.generate(tome=on())
     assert torch.equal(images(res), images(webui.baseline()))
     assert "ToMe skipped: \"patching failed (RuntimeError: unexpected layout)\"" in res.info
@@ -457,13 +458,13 @@ def _fake_measurer(monkeypatch, tmp_path, speedup, run_blocks=True):
     from stubs import fake_clock
 
     from tome.measurements import MeasurementCache, Measurer
-    from tome.webui import host, runner
+    from tome.webui import host
 
     calls = []
     service = Measurer(MeasurementCache(tmp_path / "m.json"), progress=host.show_progress,
                        rounds=2, warmup=int(run_blocks),
                        clock=fake_clock(speedup, calls, run_blocks))
-    monkeypatch.setattr(runner, "_measurers", [service])
+    monkeypatch.setattr(host, "_services", [service])
     if not run_blocks:  # blocks never run: whatever this machine has free, they would fit
         from tome import memory
         monkeypatch.setattr(memory, "available", lambda device: 1 << 50)
@@ -473,11 +474,11 @@ def _fake_measurer(monkeypatch, tmp_path, speedup, run_blocks=True):
 @pytest.mark.measure
 def test_first_generation_at_a_size_measures_and_says_so(monkeypatch, tmp_path, capsys):
     calls = _fake_measurer(monkeypatch, tmp_path, 2.0)
-    from tome.webui import host, runner
+    from tome.webui import host
 
     webui = WebUI()
     progress = []
-    runner._measurers[0].progress = lambda text: (progress.append(text), host.show_progress(text))
+    host._services[0].progress = lambda text: (progress.append(text), host.show_progress(text))
     res = webui.generate(tome=on(), seed=4)
     out = capsys.readouterr().out
     assert out.count("ToMe: measured 128x128 px, batch 2, merge, on ") == 1 and calls
@@ -532,7 +533,7 @@ def test_measuring_off_in_the_settings_uses_the_thresholds(monkeypatch, tmp_path
 def test_measure_now_in_the_settings(monkeypatch, tmp_path):
     from webui_stub.harness import script_callbacks
 
-    from tome.webui import measure_now, runner
+    from tome.webui import measure_now
 
     calls = _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
     WebUI()
@@ -550,7 +551,7 @@ def test_measure_now_in_the_settings(monkeypatch, tmp_path):
     calls.clear()
     res = WebUI().generate(tome={"enabled": True}, width=512, height=512, steps=1)
     assert not calls and "ds1 measured 1.50x on " in res.info
-    assert runner.measuring_service().last is not None
+    assert host.measuring_service().last is not None
     assert "tome_measure_now" in shared.opts.data_labels
 
 
@@ -621,8 +622,9 @@ def test_measure_now_names_a_model_it_cannot_measure(monkeypatch, tmp_path, caps
     model.forge_objects.unet = Patcher(FluxLike())
     WebUI(model)
     page = _measure_now()
-    assert page == ("<p>ToMe: FluxLike has no UNet transformer blocks to merge (ToMe measures "
-                    "SD1, SD2 and SDXL UNets); nothing to measure.</p>")
+    assert page == ("<p>ToMe: FluxLike has no UNet transformer blocks to merge (ToMe merges "
+                    "SD1, SD2 and SDXL UNets; not DiTs such as SD3 or Flux, nor compiled or "
+                    "replaced UNets); nothing to measure.</p>")
     assert "ToMe: Measure now: FluxLike has no UNet" in capsys.readouterr().out
 
 

@@ -10,12 +10,14 @@ works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from . import patch as _patch
 from .config import PRESETS, ToMeConfig, preset
-from .patch import PatchReport, remove_tomesd
-from .unet import UnsupportedModelError, find_unet
+from .layout import UnsupportedModelError, find_unet
+from .patch import remove_tomesd
+from .report import PatchReport
 
 __version__ = "0.1.0"
 __all__ = ["ToMeConfig", "PRESETS", "preset", "PatchReport", "UnsupportedModelError",
@@ -60,7 +62,16 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
         from .measurements import Measurer
         # A service: ``measurements.Measurer`` or anything with its ``for_model``.
         measurer = measure if hasattr(measure, "for_model") else Measurer()
-    return _patch.apply(model, config, measurer)
+    report = _patch.apply(model, config, measurer)
+    # Each once per message (``warnings``' default), so re-applying per pass does not spam.
+    for note in report.notes():
+        warnings.warn(note, stacklevel=2)
+    if report.skipped:
+        warnings.warn(f"ToMe: skipped {len(report.skipped)} of {report.total_blocks} block(s): "
+                      f"{report.skipped[0][1]}", stacklevel=2)
+    if report.unmergeable:
+        warnings.warn(report.unmergeable, stacklevel=2)
+    return model
 
 
 def remove_patch(model: Any) -> Any:

@@ -12,20 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# The reduction methods' names, and each method's object (``methods.py`` registers them: the
-# config asks a method whether settings are active or invalid without importing torch code).
-# Read ``config.METHODS`` at the time of use: registering a method replaces the tuple.
-METHODS: tuple[str, ...] = ("merge", "downsample")
-_RULES: dict[str, Any] = {}
+from . import methods
 
-
-def register_method(method: Any) -> None:
-    """Accept ``method.name`` in configs; ``method.active(config)`` and
-    ``method.problem(config)`` give its own rules. Called by ``methods.register``."""
-    global METHODS
-    _RULES[method.name] = method
-    if method.name not in METHODS:
-        METHODS = (*METHODS, method.name)
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
 POLICIES = ("fixed", "auto")
@@ -96,7 +84,7 @@ class ToMeConfig:
         "Method", "ToMe method",
         "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every "
         "token, keys and values are pooled by the downsample factor; no unmerge).",
-        choices=METHODS))  # the built-in ones; ``choices("method")`` has every registered one
+        choices=methods.REGISTRY.keys()))  # a live view: registered methods join it
     downsample_factor: int = field(default=2, metadata=_meta(
         "Downsample factor", "ToMe downsample factor",
         "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
@@ -112,9 +100,11 @@ class ToMeConfig:
         "its own input, as tomesd does.", choices=SHARES))
     policy: str = field(default="fixed", metadata=_meta(
         "Policy", "ToMe policy",
-        "fixed: merge exactly the levels the settings name. auto: merge a level only where its "
-        "token count makes merging pay on this device (measured thresholds per device kind), so "
-        "a pass is never slower than without ToMe.", choices=POLICIES))
+        "fixed: merge exactly the levels the settings name. auto: merge a level only where it "
+        "pays on this device: at the first image of each size, each level is timed merged and "
+        "unmerged on your own model (a few seconds, remembered in a cache file) and merged from "
+        "1.05x faster; where it cannot be timed, the device kind's token thresholds decide.",
+        choices=POLICIES))
     start: float = field(default=0.0, metadata=_meta(
         "Start", "ToMe start",
         "Merge from this point of the denoising process (0 = first, noisiest step).",
@@ -135,12 +125,12 @@ class ToMeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 fail(name, "must be a positive integer")
-        if self.method not in METHODS:
-            fail("method", f"must be one of {METHODS}")
+        if self.method not in methods.REGISTRY:
+            fail("method", f"must be one of {methods.names()}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
                 or not math.isfinite(self.ratio):
             fail("ratio", "must be a number")
-        problem = _RULES[self.method].problem(self)
+        problem = methods.REGISTRY[self.method].problem(self)
         if problem:
             fail(*problem)
         check_ratio("ratio", self.ratio, self.sx, self.sy)
@@ -171,7 +161,7 @@ class ToMeConfig:
     @property
     def active(self) -> bool:
         """False when the settings cannot change the model's output."""
-        return self.start < self.end and _RULES[self.method].active(self)
+        return self.start < self.end and methods.REGISTRY[self.method].active(self)
 
     def replace(self, **changes: Any) -> ToMeConfig:
         return dataclasses.replace(self, **changes)
@@ -197,8 +187,8 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(To
 
 
 def choices(name: str) -> tuple:
-    """The allowed values of a field with choices; ``method`` includes registered methods."""
-    return METHODS if name == "method" else FIELDS[name].metadata["choices"]
+    """The allowed values of a field with choices (for ``method``: every registered one)."""
+    return tuple(FIELDS[name].metadata["choices"])
 
 
 def coerce(f: dataclasses.Field, value: Any) -> Any:

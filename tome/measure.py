@@ -32,16 +32,8 @@ from torch import nn
 from . import memory, methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
+from .layout import Layout, UnsupportedModelError, channels, context_dim, read, unusable
 from .policy import MARGIN
-from .unet import (
-    auto_level,
-    block_levels,
-    channels,
-    context_dim,
-    decoder_blocks,
-    find_unet,
-    unusable,
-)
 
 CONTEXT_TOKENS = 77  # CLIP's context length: what attn2 sees in every SD model
 PHASES = ("unmerged", "build", "merged")  # what a round times, in this order at even rounds
@@ -256,17 +248,14 @@ def _kept(block: nn.Module, device: torch.device):
 
 # ----------------------------------------------------------------------------- the model
 
-def levels_to_measure(unet: nn.Module, config: ToMeConfig, levels: Iterable[int] | None
+def levels_to_measure(layout: Layout, config: ToMeConfig, levels: Iterable[int] | None
                       ) -> tuple[dict[int, list[nn.Module]], list[int]]:
     """The blocks of each level, in the UNet's order, and the levels to measure: ``levels``,
     or those with blocks up to the config's max downsample (auto: the first with blocks)."""
-    by_level: dict[int, list[nn.Module]] = {}
-    for block, lv in block_levels(unet).items():
-        if lv > 0:
-            by_level.setdefault(lv, []).append(block)
+    by_level = {lv: [b.module for b in layout.at(lv)] for lv in layout.levels}
     if levels is None:
-        max_ds = auto_level(config.max_downsample, list(by_level))
-        return by_level, sorted(lv for lv in by_level if lv <= max_ds)
+        max_ds = layout.auto_level(config.max_downsample)
+        return by_level, [lv for lv in layout.levels if lv <= max_ds]
     chosen = sorted(set(levels))
     missing = [lv for lv in chosen if lv not in by_level]
     if missing:
@@ -280,8 +269,9 @@ def attention_backend(model: Any) -> str:
     ldm/sgm: attn1's class ``forward`` (the WebUI swaps it for xFormers, SDPA, sub-quadratic),
     plus the module-level kernel the Forge family and ComfyUI choose at start-up; on CUDA also
     the SDPA back-ends enabled. Part of the cache key, and what ``memory`` reads."""
-    blocks = list(block_levels(find_unet(model)))
-    if not blocks:
+    try:
+        blocks = [b.module for b in read(model).blocks]
+    except UnsupportedModelError:
         return "none"
     attn = blocks[0].attn1
     processor = getattr(attn, "processor", None)
@@ -304,7 +294,7 @@ def attention_backend(model: Any) -> str:
 
 def representative(blocks: list[nn.Module], sub_layers: Iterable[str]) -> nn.Module | None:
     """The block that stands for its level: the first one that can run our way
-    (``unet.unusable``: none another extension took over, which could not run on a bare
+    (``layout.unusable``: none another extension took over, which could not run on a bare
     input); None if there is none."""
     subs = tuple(sub_layers)
     return next((b for b in blocks if unusable(b, subs) is None), None)
@@ -319,14 +309,14 @@ def _plan_count(planner: _plan.Planner, call: Any, x: torch.Tensor, blocks: list
     return len({id(p): p for p in plans if p is not None})
 
 
-def _check_memory(unet: nn.Module, latent: tuple[int, int], batch: int,
+def _check_memory(layout: Layout, latent: tuple[int, int], batch: int,
                   chosen: dict[int, nn.Module | None]) -> None:
     """Raise ``memory.NotEnoughMemoryError`` before anything runs if the largest timed run
     would not fit (``memory.py``: measuring must never take the host down)."""
     runs = [(b, policy.level_tokens(latent, lv), channels(b)) for lv, b in chosen.items()
             if b is not None]
     if runs:
-        memory.check(runs, batch, attention_backend(unet))
+        memory.check(runs, batch, attention_backend(layout))
 
 
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
@@ -355,21 +345,21 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"ToMe: rounds must be >= 1 and warmup >= 0, not {rounds}, {warmup}")
-    unet = find_unet(model)
-    by_level, chosen = levels_to_measure(unet, config, levels)
-    decoder = decoder_blocks(unet)
+    layout = read(model)
+    by_level, chosen = levels_to_measure(layout, config, levels)
+    decoder = {b.module for b in layout.blocks if b.decoder}
     # Seed, window and use_rand do not change the cost: build as a random-destination call would.
     cfg = config.replace(policy="fixed", start=0.0, end=1.0, use_rand=True)
     latent = (int(latent[0]), int(latent[1]))
     subs = methods.get(config.method).sub_layers(cfg)
     reps = {level: representative(by_level[level], subs) for level in chosen}
-    _check_memory(unet, latent, batch, reps)
+    _check_memory(layout, latent, batch, reps)
     rows = []
     for level, block in reps.items():
         if block is not None:
             rows.append(_time_level(block, by_level[level], decoder, level, latent, batch, cfg,
                                     runner, clock, rounds, warmup, min_rounds))
-    p = next(iter(b for b in reps.values() if b is not None), unet)
+    p = next(iter(b for b in reps.values() if b is not None), layout.root)
     p = next(p.parameters())
     return Measurement(device_name(p.device), str(p.dtype).removeprefix("torch."), latent,
                        int(batch), config.method, tuple(rows))

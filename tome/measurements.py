@@ -24,6 +24,7 @@ import torch
 
 from . import memory, methods
 from .config import ToMeConfig
+from .layout import channels, context_dim, denoiser, read
 from .measure import (
     Clock,
     Measurement,
@@ -35,7 +36,6 @@ from .measure import (
     measure,
 )
 from .policy import LevelSpeed
-from .unet import block_levels, channels, context_dim, decoder_blocks, find_unet
 
 # Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
 FORMAT, VERSION = "tome-measurements", 2
@@ -48,10 +48,10 @@ KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_fa
 def fingerprint(model: Any) -> str:
     """A short hash of the UNet's architecture (class; per transformer block: level, side,
     channels, heads, context dim), never its weights: fine-tunes of one model share timings."""
-    unet = find_unet(model)
-    decoder = decoder_blocks(unet)
-    blocks = [[lv, b in decoder, channels(b), getattr(b.attn1, "heads", None), context_dim(b)]
-              for b, lv in block_levels(unet).items()]
+    layout = read(model)
+    unet = layout.root
+    blocks = [[b.level, b.decoder, channels(b.module), getattr(b.module.attn1, "heads", None),
+               context_dim(b.module)] for b in layout.blocks]
     arch = {"class": f"{type(unet).__module__}.{type(unet).__qualname__}", "blocks": blocks}
     return hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -78,9 +78,9 @@ def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfi
     """Everything that changes ``measure``'s answer: device (and CUDA compute capability),
     torch version, attention backend, dtype, CPU threads, architecture, latent, batch, the
     levels measured and the config fields that change the merged cost."""
-    unet = find_unet(model)
-    by_level, chosen = levels_to_measure(unet, config, levels)
-    p = next(by_level[chosen[0]][0].parameters()) if chosen else next(unet.parameters())
+    layout = read(model)
+    by_level, chosen = levels_to_measure(layout, config, levels)
+    p = next(by_level[chosen[0]][0].parameters()) if chosen else next(layout.root.parameters())
     dev = p.device
     parts = {
         "device": device_name(dev),
@@ -88,9 +88,9 @@ def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfi
         else None,
         "threads": torch.get_num_threads() if dev.type == "cpu" else None,
         "torch": torch.__version__,
-        "attention": attention_backend(unet),
+        "attention": attention_backend(layout),
         "dtype": str(p.dtype).removeprefix("torch."),
-        "unet": fingerprint(unet),
+        "unet": fingerprint(layout),
         "latent": [int(latent[0]), int(latent[1])],
         "batch": int(batch),
         "levels": chosen,
@@ -239,7 +239,7 @@ class Measurer:
         self.reason = None
         h, w = latent
         try:
-            p = next(find_unet(model).parameters())
+            p = next(denoiser(model).parameters())
             quick = (id(model), p.device, p.dtype, tuple(latent), batch, config.replace(
                 seed=0, policy="auto", start=0.0, end=1.0, use_rand=True),
                 None if levels is None else tuple(levels))
@@ -265,8 +265,8 @@ class Measurer:
         return None
 
     def _measure(self, model, latent, batch, config, device, runner, levels, key):
-        unet = find_unet(model)
-        on = next(unet.parameters()).device
+        layout = read(model)
+        on = next(layout.root.parameters()).device
         if device is not None and torch.device(device) != on:
             return self._not(f"ToMe: not measured: the UNet is on {on}, sampling runs on "
                              f"{device} (--medvram/--lowvram); the token thresholds decide")
@@ -275,7 +275,7 @@ class Measurer:
             self.progress(f"ToMe: measuring {w * 8}x{h * 8} px")
         t0 = time.perf_counter()
         try:
-            m = measure(unet, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
+            m = measure(layout, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
                         clock=self.clock, levels=levels, runner=runner)
         finally:
             if self.progress is not None:

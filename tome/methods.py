@@ -11,7 +11,7 @@ A method answers, for a ``ToMeConfig`` that names it:
 - where it acts: ``sub_layers`` (the block's sub-layers that get hooks), ``refuse`` (blocks it
   must leave alone), ``plan`` (its half of plan building: the planner has chosen the level and
   grid), ``reduce`` / ``restore`` (what a sub-layer receives and what its output becomes; the
-  same two calls serve the hook adapter and Forge's attn1 patch);
+  same two calls serve the hook adapter and the ModelPatcher's attn1 patch);
 - when it pays: ``thresholds`` (the auto policy's token counts per device kind).
 
 Everything else (finding blocks, levels, partitions, hooks, hosts) is shared. A new method is a
@@ -21,14 +21,15 @@ touches.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from . import config as _config
 from . import merge
-from .config import ToMeConfig
+
+if TYPE_CHECKING:  # the config validates against this registry: it imports us, not we it
+    from .config import ToMeConfig
 
 
 class Planner(Protocol):
@@ -64,6 +65,10 @@ class Method:
 
     def describe(self, c: ToMeConfig) -> str:
         return f"{self.value_field} {self.value_text(c)}"
+
+    def seeded(self, c: ToMeConfig) -> bool:
+        """Whether ``c.seed`` changes this method's image (the console names the seed then)."""
+        return False
 
     def value_text(self, c: ToMeConfig) -> str:
         return f"{getattr(c, self.value_field):g}"
@@ -109,6 +114,9 @@ class Merge(Method):
 
     def active(self, c: ToMeConfig) -> bool:
         return c.ratio > 0 and (c.merge_attn or c.merge_crossattn or c.merge_mlp)
+
+    def seeded(self, c: ToMeConfig) -> bool:
+        return c.use_rand
 
     def problem(self, c: ToMeConfig) -> tuple[str, str] | None:
         if c.sx * c.sy < 2 and c.ratio > 0:
@@ -197,15 +205,26 @@ class Downsample(Method):
         return x, plan.kv(x)
 
 
+#: The only registry of methods: name -> method. ``config`` validates names against it, the
+#: accordion, API, X/Y/Z, infotext, Measure now and the lab list it.
 REGISTRY: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
     """Make ``method`` available under ``method.name`` everywhere: configs accept the name, the
-    patch, Forge, the policy, the infotext and the lab use the object."""
+    patch, the ModelPatcher adapter, the policy, the infotext and the lab use the object."""
     REGISTRY[method.name] = method
-    _config.register_method(method)
     return method
+
+
+def unregister(name: str) -> None:
+    """Forget a method registered with ``register`` (tests of a toy method undo themselves)."""
+    REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The registered methods' names, built-in ones first."""
+    return tuple(REGISTRY)
 
 
 def get(name: str) -> Method:

@@ -12,84 +12,34 @@ Per UNet call a pre-hook on the UNet starts a ``plan.Call`` (latent size, timest
 block pre-hook asks the shared ``plan.Planner`` for the block's plan, and the sub-layer hooks
 apply it through the method (``methods.py``: which sub-layers, what they receive, whether
 their output is restored). Which blocks merge, how destinations are drawn and when matching
-runs are decided in ``plan.py``, shared with the Forge adapter; the UNet's structure is read
-in ``unet.py``.
+runs are decided in ``plan.py``, shared with the ModelPatcher adapter (``patcher.py``); the
+UNet's structure is read in ``layout.py``. Both adapters answer with ``report.PatchReport``.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import layout as _layout
 from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
-from .unet import (
-    BLOCK_CLASS,
-    UnsupportedModelError,
-    auto_level,
-    block_levels,
-    decoder_blocks,
-    family,
-    find_unet,
-    is_block,
-    nothing_to_merge,
-    unusable,
-)
+from .layout import Layout, UnsupportedModelError, unusable
+from .report import HOOKS, PatchReport
 
 STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
 
 
-@dataclass
-class PatchReport:
-    """What a patch did: a short, printable account for users and tests."""
-
-    family: str
-    config: ToMeConfig
-    max_downsample: int
-    levels: dict[int, int] = field(default_factory=dict)   # downsample -> blocks patched
-    total_blocks: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (block name, reason)
-    replaced_tomesd: bool = False
-    # Filled in while running: downsample -> (tokens, tokens removed) of the latest call.
-    tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Filled in while running: the auto policy's decision per (level, tokens, device kind).
-    decisions: dict[tuple[int, int, str], Any] = field(default_factory=dict)
-
-    @property
-    def patched_blocks(self) -> int:
-        return sum(self.levels.values())
-
-    def coverage(self) -> str:
-        """``5/16 blocks patched at downsample <= 1 (ds1: 5)``, plus the step window."""
-        levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
-        text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
-                f"{self.max_downsample} ({levels})")
-        c = self.config
-        if c.start > 0 or c.end < 1:
-            text += f", steps {c.start:g}-{c.end:g}"
-        return text
-
-    def summary(self) -> str:
-        text = (f"ToMe: {self.family} UNet, {methods.get(self.config.method).describe(self.config)}"
-                f"; {self.coverage()}")
-        if self.skipped:
-            text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
-        return text
-
-
 class _State:
-    def __init__(self, config: ToMeConfig, report: PatchReport, decoder: set[nn.Module],
-                 measurer: Any = None):
+    def __init__(self, config: ToMeConfig, report: PatchReport, layout: Layout):
         self.config, self.report = config, report
-        self.decoder = decoder  # blocks on the UNet's upsampling side
-        self.planner = _plan.Planner(config, report.max_downsample, measurer)
-        # The report shows the planner's live figures.
-        report.tokens, report.decisions = self.planner.tokens, self.planner.decisions
+        self.decoder = {b.module for b in layout.blocks if b.decoder}  # upsampling side
+        self.context_keyword = layout.context_keyword
+        self.planner = report.planner
         self.handles: list[Any] = []
         self.call: _plan.Call | None = None
         self.warned: set[str] = set()
@@ -105,7 +55,8 @@ class _State:
 
 # ----------------------------------------------------------------------------- blocks
 
-def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method) -> str | None:
+def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method
+                   ) -> str | None:
     """Why a block cannot be patched safely, or None: it is unusable, or another patch
     observes a sub-layer's full token sequence through hooks, or the method refuses it."""
     subs = method.sub_layers(config)
@@ -123,7 +74,7 @@ def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method)
 
 def remove_tomesd(model: Any) -> bool:
     """Undo a tomesd patch in place (what ``tomesd.remove_patch`` does), without importing it."""
-    root = model if isinstance(model, nn.Module) else find_unet(model)
+    root = model if isinstance(model, nn.Module) else _layout.read(model).root
     found = False
     for m in root.modules():
         info = vars(m).get("_tome_info")
@@ -167,12 +118,6 @@ def _set_first(args: tuple, kwargs: dict, names: tuple[str, ...], value: Any):
 
 _X_NAMES = ("x", "hidden_states", "sample")
 _T_NAMES = ("timesteps", "timestep", "t")
-
-
-def context_keyword(block: nn.Module) -> str:
-    """The sub-layers' keyword for the context (and ToDo's keys/values): ldm/sgm ``context``,
-    diffusers ``encoder_hidden_states``."""
-    return "context" if family(block) in ("ldm", "sgm") else "encoder_hidden_states"
 
 
 def reduce_args(method: methods.Method, plan: Any, args: tuple, kwargs: dict,
@@ -237,7 +182,7 @@ class _Hooks:
         values in its context keyword (ldm/sgm ``context``, diffusers
         ``encoder_hidden_states``)."""
         plans, key, method = self.state.plans, id(block), self.method
-        kv_name = context_keyword(block)
+        kv_name = self.state.context_keyword
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             plan = plans.get(key)
@@ -269,7 +214,7 @@ def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
     """Run ``block`` on ``x`` with ``plan`` applied (None: unmerged), as a patched block runs:
     the method's sub-layers get the same argument plumbing, on temporary hooks removed on
     exit. The measurement's runner for this adapter (``patcher.run_block`` is its twin)."""
-    method, kv_name, handles = planner.method, context_keyword(block), []
+    method, kv_name, handles = planner.method, _layout.context_keyword(block), []
     kw = {} if context is None else {kv_name: context}
     try:
         for name in method.sub_layers(planner.config) if plan is not None else ():
@@ -287,56 +232,41 @@ def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
 
 # ----------------------------------------------------------------------------- public API
 
-def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
-    """Patch ``model`` with ``config``. Atomic: on any error the model is left as it was.
+def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
+    """Patch ``model`` with ``config`` and say what was done. Atomic: on any error the model
+    is left as it was. A model without UNet transformer blocks raises
+    ``UnsupportedModelError``; settings that merge no block of it are the report's
+    ``nothing`` (the hooks are in place and change nothing).
 
     ``measurer``: for the ``auto`` policy, the measuring service
     (``measurements.Measurer``); the planner asks it at the first call of each latent size,
     through ``run_block``.
     """
-    unet = find_unet(model)
-    method = methods.get(config.method)
-    named = [(n, m) for n, m in unet.named_modules() if is_block(m)]
-    blocks = [m for _, m in named]
-    if not blocks:
-        raise UnsupportedModelError(
-            f"ToMe: {type(unet).__name__} has no {BLOCK_CLASS}; SD3/MMDiT, Flux and compiled or "
-            "replaced UNets (e.g. TensorRT) are not supported")
+    layout = _layout.read(model)
+    unet, method = layout.root, methods.get(config.method)
     remove(unet)
-    replaced = False
-    if _tomesd_patched(unet):
+    replaced = _tomesd_patched(unet)
+    if replaced:
         remove_tomesd(unet)
-        replaced = True
-        warnings.warn("ToMe: the model was patched by tomesd (e.g. the WebUI's built-in token "
-                      "merging); that patch was removed so tokens are never merged twice",
-                      stacklevel=3)
-    levels = block_levels(unet)
-    known = sorted({d for d in levels.values() if d > 0})
-    max_ds = auto_level(config.max_downsample, known)
-    report = PatchReport(family=family(blocks[0]), config=config, max_downsample=max_ds,
-                         total_blocks=len(blocks), replaced_tomesd=replaced)
+    max_ds = layout.auto_level(config.max_downsample)
+    report = PatchReport(family=layout.family, config=config, max_downsample=max_ds,
+                         total_blocks=len(layout.blocks), replaced_tomesd=replaced,
+                         adapter=HOOKS, unmergeable=layout.nothing_to_merge(
+                             config.max_downsample))
     targets = []
-    for name, b in named:
-        ds = levels.get(b, 0)
-        if ds > max_ds:  # never merged: whatever else patches it is no concern of ours
+    for b in layout.blocks:
+        if b.level > max_ds:  # never merged: whatever else patches it is no concern of ours
             continue
-        problem = _block_problem(b, config, method)
+        problem = _block_problem(b.module, config, method)
         if problem:
-            report.skipped.append((name, problem))
+            report.skipped.append((b.name, problem))
             continue
-        targets.append(b)
-        if ds:
-            report.levels[ds] = report.levels.get(ds, 0) + 1
-    if report.skipped:
-        # warnings shows an identical message once, so hosts re-applying per pass do not spam.
-        warnings.warn(f"ToMe: skipped {len(report.skipped)} of {len(blocks)} block(s): "
-                      f"{report.skipped[0][1]}", stacklevel=3)
-    nothing = nothing_to_merge(config.max_downsample, known)
-    if nothing:
-        warnings.warn(nothing, stacklevel=3)
-
+        targets.append(b.module)
+        if b.level:
+            report.levels[b.level] = report.levels.get(b.level, 0) + 1
     measured = measurer.for_model(model, config, run_block) if measurer is not None else None
-    state = _State(config, report, decoder_blocks(unet), measured)
+    report.planner = _plan.Planner(config, max_ds, measured, sorted(report.levels))
+    state = _State(config, report, layout)
     hooks = _Hooks(state)
     try:
         h = state.handles
@@ -356,7 +286,7 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> Any:
             handle.remove()
         vars(unet).pop(STATE_ATTR, None)
         raise
-    return model
+    return report
 
 
 def remove(model: Any) -> Any:
@@ -371,10 +301,11 @@ def remove(model: Any) -> Any:
 
 def _patched_unet(model: Any) -> nn.Module:
     """The module that carries our state: ``model`` itself if it does, else its UNet."""
-    return model if hasattr(model, STATE_ATTR) else find_unet(model)
+    return model if hasattr(model, STATE_ATTR) else _layout.read(model).root
 
 
 def state_of(model: Any) -> _State | None:
+    """The patch's state on ``model``, or None (the library's ``is_patched``, ``patch_report``)."""
     try:
         return getattr(_patched_unet(model), STATE_ATTR, None)
     except UnsupportedModelError:

@@ -21,32 +21,32 @@ from typing import Any
 
 import torch
 
+from . import layout as _layout
 from .config import ToMeConfig
 from .plan import Call, Planner
-from .unet import UnsupportedModelError, auto_level, known_levels, nothing_to_merge
+from .report import ATTN1_PATCH, PatchReport
 
-MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches
+MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches (name kept: older
+# clones in a running host still carry it)
 
 
-class ForgePatch:
+class Attn1Patch:
     """The two patch functions for one sampling pass, sharing the plan of the current block.
 
-    Forge has no hook at the start of a UNet call, so a call starts when the first block seen
-    in this pass comes round again. The step's sigma stands in for the timestep (it stays on
-    the device: the partition is hashed from it there).
+    The contract has no hook at the start of a UNet call, so a call starts when the first
+    block seen in this pass comes round again. The step's sigma stands in for the timestep (it
+    stays on the device: the partition is hashed from it there).
     """
 
     def __init__(self, config: ToMeConfig, max_downsample: int, levels: list[int],
                  replacements: Callable[[], Mapping], measurer: Callable | None = None):
         self.config, self.max_downsample = config, max_downsample
-        self.levels = levels  # the UNet levels with transformer blocks that may be merged
         # The attn1 replacements of the patcher that samples (Forge keeps ``patches_replace``
         # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
         self.replacements = replacements
-        self.planner = Planner(config, max_downsample, measurer)
+        self.planner = Planner(config, max_downsample, measurer, levels)
         self.method = self.planner.method
-        self.tokens = self.planner.tokens
-        self.skipped: list[tuple[str, str]] = []  # (block, reason), once per block
+        self.skipped: list[tuple[Any, str]] = []  # (block, reason), once per block, live
         self.plan: Any = None  # the plan of the block between attn1 and its output
         self.first: Any = None
         self.call: Call | None = None
@@ -137,42 +137,44 @@ def attn1_replacements(unet_patcher: Any) -> Mapping:
 
 def patch_unet(unet_patcher: Any, config: ToMeConfig,
                sampling_patcher: Callable[[], Any] | None = None, measurer: Any = None
-               ) -> tuple[Any, ForgePatch | None]:
-    """A clone of Forge's ``UnetPatcher`` carrying the ToMe patches, and the patch object.
+               ) -> tuple[Any, PatchReport]:
+    """A clone of the ``ModelPatcher`` carrying the ToMe patches, and the report.
 
     ``sampling_patcher`` returns the patcher that will actually sample (a host's current
     ``forge_objects.unet``: extensions that run after us clone ours and add their own patches);
-    blocks whose attn1 it replaces are left alone. Without it, our clone's are used.
-    Idempotent: Forge may call ``process_before_every_sampling`` twice for one pass, and a
-    patcher that already carries our patches is returned unchanged. A model without a UNet
-    (a DiT) raises ``UnsupportedModelError`` and is left alone. ``measurer``: a
-    ``measure.Measurer``; with the ``auto`` policy it measures the patcher's UNet (through
-    ``run_block``) at the first call of each size, where Forge has moved it to its device.
+    blocks whose attn1 it replaces are left alone (``report.skipped`` fills while sampling).
+    Without it, our clone's are used. Idempotent: Forge may call
+    ``process_before_every_sampling`` twice for one pass, and a patcher that already carries
+    our patches is returned with its report. A model without UNet transformer blocks (a DiT)
+    raises ``UnsupportedModelError``; settings that merge nothing are the report's
+    ``nothing``, and the patcher is returned unchanged. ``measurer``: a
+    ``measurements.Measurer``; with the ``auto`` policy it measures the patcher's UNet (through
+    ``run_block``) at the first call of each size, where the host has moved it to its device.
     """
-    if getattr(unet_patcher, MARK, None) is not None:
-        return unet_patcher, getattr(unet_patcher, MARK)
+    done = getattr(unet_patcher, MARK, None)
+    if done is not None:
+        return unet_patcher, done.report
+    model = getattr(unet_patcher, "model", None)
+    layout = _layout.read(model)
+    diffusion_model = layout.root
+    max_ds = layout.auto_level(config.max_downsample)
+    levels = {lv: len(layout.at(lv)) for lv in layout.levels if lv <= max_ds}
+    report = PatchReport(family=layout.family, config=config, max_downsample=max_ds,
+                         levels=levels, total_blocks=len(layout.blocks), adapter=ATTN1_PATCH,
+                         unmergeable=layout.nothing_to_merge(config.max_downsample))
     if not config.active:
-        return unet_patcher, None
-    diffusion_model = getattr(getattr(unet_patcher, "model", None), "diffusion_model", None)
-    known = known_levels(diffusion_model)
-    if not known:
-        # Flux, Chroma, Qwen-Image, Lumina, Wan, Z-Image...: DiTs whose blocks never call the
-        # attn1 patches. Patching them would claim a merge that never happens.
-        name = type(diffusion_model).__name__ if diffusion_model is not None else "no model"
-        raise UnsupportedModelError(
-            f"ToMe: {name} is not a UNet with transformer blocks (a DiT such as Flux, Chroma, "
-            "Qwen-Image, Lumina, Wan or Z-Image); ToMe merges SD1, SD2 and SDXL UNets")
-    nothing = nothing_to_merge(config.max_downsample, known)
-    if nothing:
-        raise UnsupportedModelError(nothing)
-    max_ds = auto_level(config.max_downsample, known)
+        report.unmergeable = "ToMe: these settings change nothing"
+    if report.nothing:
+        return unet_patcher, report
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)
     measured = measurer.for_model(diffusion_model, config, run_block) \
         if measurer is not None else None
-    patch = ForgePatch(config, max_ds, [d for d in known if d <= max_ds],
-                       lambda: attn1_replacements(current()), measured)
+    patch = Attn1Patch(config, max_ds, sorted(levels), lambda: attn1_replacements(current()),
+                       measured)
+    report.skipped, report.planner = patch.skipped, patch.planner
+    patch.report = report
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)
     setattr(unet, MARK, patch)
-    return unet, patch
+    return unet, report

@@ -1,9 +1,9 @@
 """What to merge in one UNet call: the plan module shared by every host adapter.
 
 Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``patcher.py``:
-Forge's UNet patcher) see the same things: a UNet call starts (latent size, timestep), then
-transformer blocks run, each with a token sequence. ``Planner`` turns that into one plan per
-block, or nothing, deciding
+the ModelPatcher contract of the Forge family and ComfyUI) see the same things: a UNet call
+starts (latent size, timestep), then transformer blocks run, each with a token sequence.
+``Planner`` turns that into one plan per block, or nothing, deciding
 
 - which blocks are merged: the grid of the block's tokens (``grid_of``), ``max_downsample``
   and the ``auto`` policy (``policy.py``);
@@ -80,8 +80,10 @@ class Planner:
     """The plans of one patched model, call after call (see the module docstring)."""
 
     def __init__(self, config: ToMeConfig, max_downsample: int,
-                 measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None):
+                 measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None,
+                 levels: list[int] | tuple[int, ...] = ()):
         self.config, self.max_downsample = config, max_downsample
+        self.levels = sorted(levels)  # the model's levels that may merge (for ``announce``)
         self.method = methods.get(config.method)
         # ``auto`` policy: ``measurer(size, batch, device) -> {level: (speed-up, device)}``,
         # asked once per latent size, in eager mode only (never while compiling a graph).
@@ -93,6 +95,10 @@ class Planner:
         self.decisions: dict[tuple[int, int, str], policy.Decision] = {}
         # Filled while running: downsample -> (tokens, tokens removed) of the latest call.
         self.tokens: dict[int, tuple[int, int]] = {}
+        # ``on_decided(size, [Decision per level])``: told once per size and device kind, as
+        # soon as the decisions are known (a host's narration; no polling, no recomputing).
+        self.on_decided: Callable[[tuple[int, int], list[policy.Decision]], Any] | None = None
+        self._told: set[tuple[tuple[int, int], str]] = set()
 
     def begin(self, size: tuple[int, int], device: torch.device, timestep: Any,
               batch: int = 1) -> Call | None:
@@ -102,6 +108,8 @@ class Planner:
         first (``measurer``)."""
         size = tuple(size)
         self.prepare(size, batch, device)
+        kind = policy.device_kind(device)
+        self.announce(size, kind)
         c = self.config
         if c.start > 0 or c.end < 1:
             if isinstance(timestep, torch.Tensor) and timestep.numel():
@@ -112,14 +120,26 @@ class Planner:
                 t = None
             if t is not None and not c.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= c.end:
                 return None
-        return Call(size, timestep if c.use_rand else None, policy.device_kind(device),
-                    self.measured.get(size))
+        return Call(size, timestep if c.use_rand else None, kind, self.measured.get(size))
 
     def prepare(self, size: tuple[int, int], batch: int, device: torch.device) -> None:
         """Measure at ``size`` now, if the policy measures and nothing is known yet."""
         size = tuple(size)
         if self.measurer is not None and size not in self.measured and not merge.compiling():
             self.measured[size] = self.measurer(size, batch, device) or {}
+
+    def announce(self, size: tuple[int, int], kind: str) -> None:
+        """Tell ``on_decided`` the decisions at ``size`` on ``kind`` once they are known: now,
+        or (when this size is still to be measured) right after measuring, at the first call.
+        The decisions are the ones the blocks then use."""
+        size = tuple(size)
+        if self.on_decided is None or (size, kind) in self._told or merge.compiling() \
+                or (self.measurer is not None and size not in self.measured):
+            return
+        self._told.add((size, kind))
+        measured = self.measured.get(size) or {}
+        self.on_decided(size, [self.decision(lv, policy.level_tokens(size, lv), kind,
+                                             measured.get(lv)) for lv in self.levels])
 
     def decision(self, level: int, tokens: int, kind: str,
                  measured: policy.LevelSpeed | None = None) -> policy.Decision:

@@ -11,8 +11,10 @@ matplotlib, pillow, safetensors). One module per job:
 - ``timing``: time, peak memory and FLOPs of one call on CPU, CUDA or MPS; torch.compile counters
 - ``run``: the benchmark's interleaved run loop
 - ``matching``: the matching step alone, ours vs tomesd
+- ``sweep``: does the auto policy decide right (measured decisions against timed UNet calls)
 - ``quality``: image metrics and the quality evaluation on the tiny model
 - ``report``: tables, JSON, plots and the image grid
-- ``bench``, ``showcase``, ``demo``: the command lines
+- ``bench``, ``showcase``, ``speed_demo``: the command lines (``make bench``, ``make demo``,
+  ``make speed-demo``)
 - ``tinyldm``: the small trained diffusion model the quality figures use
 """

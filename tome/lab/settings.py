@@ -30,11 +30,9 @@ import torch
 from torch import nn
 
 import tome
-from tome import config as _config
+from tome import layout as _layout
 from tome import methods as _methods
 from tome.config import ToMeConfig
-from tome.unet import auto_level as _auto_level
-from tome.unet import block_levels, find_unet, known_levels
 
 #: The lab's own methods; the library's (``tome.methods``) come between them: ``methods()``.
 LAB_METHODS = ("tomesd", "ceiling", "match-only")
@@ -42,7 +40,7 @@ LAB_METHODS = ("tomesd", "ceiling", "match-only")
 
 def methods() -> tuple[str, ...]:
     """Every first word a spec may have: baseline, the library's methods, the lab's."""
-    return ("baseline", *_config.METHODS, *LAB_METHODS)
+    return ("baseline", *_methods.names(), *LAB_METHODS)
 
 
 def _library(method: str) -> _methods.Method | None:
@@ -265,7 +263,7 @@ class Setting:
         if self.method == "baseline":
             return ""
         unet = unet_of(model)
-        levels = block_levels(unet)
+        levels = _layout.read(unet).level_of
         if self.method == "ceiling":
             return f"{len(getattr(unet, _CEILING_ATTR, []))}/{len(levels)}"
         if self.impl == "tomesd":
@@ -315,7 +313,7 @@ def default_settings(methods: Sequence[str], ratios: Sequence[float] = (0.5,),
 
 def unet_of(model: Any) -> nn.Module:
     """The UNet inside ``model`` (the library's reader), a ``TypeError`` if there is none."""
-    return find_unet(model)
+    return _layout.find_unet(model)
 
 
 # ----------------------------------------------------------------------------- tomesd
@@ -343,7 +341,7 @@ def tomesd_target(model: Any) -> Any:
 def auto_level(model: Any) -> int:
     """The level ``max_downsample=None`` picks (the library's rule: 1 on SD1/SD2, 2 on
     SDXL)."""
-    return _auto_level(None, known_levels(unet_of(model)))
+    return _layout.read(model).auto_level(None)
 
 
 # ----------------------------------------------------------------------------- ceiling
@@ -373,7 +371,7 @@ def remove_attention(model: Any, config: ToMeConfig | None = None) -> list[str]:
         tome.remove_patch(unet)
     names = {m: n for n, m in unet.named_modules()}
     saved, done = [], []
-    for block, ds in block_levels(unet).items():
+    for block, ds in _layout.read(unet).level_of.items():
         attn = getattr(block, "attn1", None)
         if attn is None or not 0 < ds <= top:
             continue

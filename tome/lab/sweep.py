@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
+from tome import layout as _layout
 from tome import patch as _patch
 from tome import policy
 from tome.config import ToMeConfig
 from tome.measure import measure
 from tome.patch import run_block
-from tome.unet import block_levels, find_unet, known_levels
 
 from .device import device_name, pick_device, pick_dtype
 from .models import build_case, ldm_sdpa
@@ -72,7 +72,7 @@ class LevelClock:
     block (plan building and unmerging included); CUDA events on a GPU, read after the call."""
 
     def __init__(self, unet: torch.nn.Module, device: torch.device):
-        self.levels = {b: lv for b, lv in block_levels(unet).items() if lv}
+        self.levels = {b: lv for b, lv in _layout.read(unet).level_of.items() if lv}
         self.cuda = device.type == "cuda"
 
     def _now(self) -> Any:
@@ -111,9 +111,10 @@ class LevelClock:
 def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
                timer: Timer) -> list[dict[str, Any]]:
     """Rows of one (model, size): one per candidate level, plus the auto policy's."""
-    unet = find_unet(case.model)
-    top = config.max_downsample or max(known_levels(unet))
-    levels = [lv for lv in known_levels(unet) if lv <= top]
+    unet = _layout.find_unet(case.model)
+    known = _layout.read(unet).levels
+    top = config.max_downsample or max(known)
+    levels = [lv for lv in known if lv <= top]
     latent = (case.size // 8, case.size // 8)
     t0 = time.perf_counter()
     m = measure(unet, latent, case.batch, config, rounds=rounds, levels=levels,

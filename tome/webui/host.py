@@ -1,10 +1,15 @@
-"""What the WebUI host is and does: probing it, and the workarounds its contract needs.
+"""What the WebUI host is and does: probing it, the adapter it speaks, its measuring service,
+and the workarounds its contract needs.
 
 Probing: the current model, the pass's latent size, compute device and seed, and models whose
-UNet we must not patch. Workarounds: stopping a generation with a clear error before anything
-is sampled, unpatching in ``p.close()``, keeping the built-in token merging off, and keeping
-X/Y/Z cells from sharing infotext keys. Only this module and ``settings_tab.py`` import
-``modules.*`` (lazily), so the rest of the WebUI layer is testable without a WebUI.
+UNet we must not patch. Patching: A1111 gets the hook adapter (``patch.py``), the Forge family
+the ModelPatcher adapter (``patcher.py``); both answer with one ``PatchReport``. Measuring:
+the process's one ``Measurer``, its cache in the WebUI's cache folder, its progress under the
+progress bar. Workarounds: stopping a generation with a clear error before anything is
+sampled, unpatching in ``p.close()``, keeping the built-in token merging off, and keeping
+X/Y/Z cells from sharing infotext keys. The WebUI's ``modules.*`` are imported lazily, here
+and in ``measure_now.py``, ``settings_tab.py`` and ``ui.py``, so the rest of the WebUI layer
+is testable without a WebUI.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import policy
-from ..unet import find_unet
-from . import infotext
+from .. import patch, patcher, policy
+from ..config import ToMeConfig
+from ..layout import UnsupportedModelError, denoiser, read
+from ..measurements import MeasurementCache, Measurer, default_cache_path
+from ..report import PatchReport
+from . import infotext, narrate
 from . import script_args as A
 
 BUILTIN_KEYS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
@@ -63,13 +71,14 @@ def compute_device(model: Any, x: Any = None) -> Any:
     except (ImportError, AttributeError):
         pass
     try:
-        return next(find_unet(model).parameters()).device
+        return next(denoiser(model).parameters()).device
     except Exception:  # noqa: BLE001 (no parameters, or not a UNet: the safest kind)
         return policy.FALLBACK
 
 
 def unsupported(model: Any) -> str | None:
-    """Models the library can patch but whose blocks would never run, or that are not UNets."""
+    """Why the PyTorch UNet would not run at all (an SD Unet replacement such as TensorRT), or
+    None. Models without UNet transformer blocks are the model reader's to name."""
     try:
         from modules import sd_unet
         unet = getattr(sd_unet, "current_unet", None)
@@ -78,8 +87,6 @@ def unsupported(model: Any) -> str | None:
     if unet is not None:
         name = getattr(getattr(unet, "option", None), "label", None) or type(unet).__name__
         return f"an SD Unet replacement ({name}) runs instead of the PyTorch UNet"
-    if getattr(model, "is_sd3", False):
-        return "SD3 has no UNet transformer blocks (MMDiT)"
     return None
 
 
@@ -89,7 +96,6 @@ def cache_path() -> Any:
     import os
     from pathlib import Path
 
-    from ..measurements import default_cache_path
     if os.environ.get("TOME_CACHE_DIR"):
         return default_cache_path()
     try:
@@ -116,7 +122,61 @@ def show_progress(text: str | None) -> None:
         pass
 
 
-def load_for_sampling(patcher: Any) -> None:
+_services: list[Measurer] = []
+
+
+def measuring_service() -> Measurer:
+    """The process's one measuring service: its results and cache file are shared by every
+    generation and by Settings > ToMe > Measure now; it speaks through ``narrate``."""
+    if not _services:
+        _services.append(Measurer(MeasurementCache(cache_path(), say=narrate.console),
+                                  say=narrate.console, progress=show_progress))
+    return _services[0]
+
+
+def measurer(cfg: ToMeConfig) -> Measurer | None:
+    """The measuring service, or None where the policy does not measure or the setting
+    (Settings > ToMe) turned measuring off."""
+    if cfg.policy != "auto" or not bool(getattr(opts(), "tome_measure", True)):
+        return None
+    return measuring_service()
+
+
+def forge(model: Any) -> bool:
+    """A Forge-family model: its UNet is sampled through a ModelPatcher it rebuilds per pass."""
+    return hasattr(model, "forge_objects")
+
+
+def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None) -> PatchReport:
+    """Patch the current model for one pass with the adapter this host speaks: the Forge
+    family's pass clone of its ModelPatcher (``patcher.py``; extensions after us clone ours),
+    A1111's UNet in place (``patch.py``). Raises ``UnsupportedModelError`` for a model
+    without UNet transformer blocks; a report whose ``nothing`` is set changed nothing."""
+    if not forge(model):
+        return patch.apply(model, cfg, service)
+    unet, report = patcher.patch_unet(model.forge_objects.unet, cfg,
+                                      lambda: model.forge_objects.unet, service)
+    model.forge_objects.unet = unet
+    return report
+
+
+def measurable(model: Any) -> tuple[Any, Any]:
+    """``(unet, run_block)``: the UNet to time and how its blocks run merged on this host (the
+    hook adapter's way, or the Forge family's patcher contract, with the model moved to the
+    sampling device first). Raises ``UnsupportedModelError`` naming a model there is nothing
+    to measure in."""
+    reason = unsupported(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"ToMe: {reason}")
+    if not forge(model):
+        return read(model), patch.run_block
+    unet_patcher = model.forge_objects.unet
+    layout = read(getattr(unet_patcher, "model", None))
+    load_for_sampling(unet_patcher)
+    return layout, patcher.run_block
+
+
+def load_for_sampling(unet_patcher: Any) -> None:
     """Forge family: move a UNet patcher's model to its sampling device, as sampling would
     (Forge and Forge Neo: ``backend.memory_management``; reForge and Forge Classic:
     ``ldm_patched.modules.model_management``). Best effort: where none answers, measuring
@@ -124,7 +184,7 @@ def load_for_sampling(patcher: Any) -> None:
     for name in ("backend.memory_management", "ldm_patched.modules.model_management"):
         try:
             module = __import__(name, fromlist=["load_models_gpu"])
-            module.load_models_gpu([patcher])
+            module.load_models_gpu([unet_patcher])
             return
         except Exception:  # noqa: BLE001,S112 (the next family, or not loaded: said later)
             continue

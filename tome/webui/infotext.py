@@ -108,7 +108,7 @@ def _enabled(params: Mapping[str, Any]) -> bool:
 
 
 def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
-    """A paste-field function for the control of ``name`` (an entry of ``settings.ARGS``).
+    """A paste-field function for the control of ``name`` (an entry of ``script_args.ARGS``).
 
     Returns a value of the component's own type (the API applies ``type(component.value)(v)``,
     which would make the string "False" true), or None to leave the control alone.

@@ -11,18 +11,17 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .. import policy
+from .. import methods, policy
+from ..layout import UnsupportedModelError
 from ..measure import Measurement
 from ..measurements import Measurer
-from ..unet import UnsupportedModelError, find_unet, known_levels
-from . import host, narrate, runner
+from . import host, narrate
 from . import script_args as A
 
 ROUTE = "/tome/measure"
 BATCH = 2  # one image with classifier-free guidance: cond and uncond in one UNet call
 # Image sizes (px, square) of a first pass and the usual hires-fix passes.
 SIZES = {"SDXL": (1024, 1536), "": (512, 768, 1024)}
-METHODS = {"merge": A.DEFAULT, "downsample": A.DEFAULT.replace(method="downsample")}
 COLOURS = {"merge": "#e4572e", "downsample": "#1f77b4"}
 
 
@@ -30,40 +29,19 @@ def sizes_for(model: Any) -> tuple[int, ...]:
     return SIZES["SDXL"] if host.model_kind(model) == "SDXL" else SIZES[""]
 
 
-def _unet(model: Any) -> tuple[Any, Any]:
-    """The UNet to time and how to run its blocks (the hook adapter's way, or the Forge
-    family's patcher contract, its model moved to the sampling device first); raises
-    ``UnsupportedModelError`` naming the model where there is nothing to measure."""
-    from .. import patch, patcher
-
-    reason = host.unsupported(model)
-    if reason is not None:
-        raise UnsupportedModelError(f"ToMe: {reason}")
-    forge = hasattr(model, "forge_objects")
-    unet = getattr(model.forge_objects.unet.model, "diffusion_model", None) if forge \
-        else find_unet(model)
-    if not known_levels(unet):
-        name = type(unet).__name__ if unet is not None else "no model"
-        raise UnsupportedModelError(f"ToMe: {name} has no UNet transformer blocks to merge "
-                                    "(ToMe measures SD1, SD2 and SDXL UNets)")
-    if not forge:
-        return unet, patch.run_block
-    host.load_for_sampling(model.forge_objects.unet)
-    return unet, patcher.run_block
-
-
 def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurement]]:
     """Measure ``model`` at its sizes with each method: (HTML, measurements). A size that is
     not measured (too large for the memory available, or measuring failed) gets a row saying
     why, and the others are still measured."""
     try:
-        unet, run_block = _unet(model)
+        unet, run_block = host.measurable(model)
     except UnsupportedModelError as e:
         narrate.console(f"ToMe: Measure now: {str(e).removeprefix('ToMe: ')}")
         return f"<p>{html.escape(str(e))}; nothing to measure.</p>", []
     found: list[Measurement] = []
     missed: list[tuple[str, int, str]] = []
-    for name, cfg in METHODS.items():
+    for name in methods.names():  # each with its defaults (ToDo: x2)
+        cfg = A.DEFAULT.replace(method=name)
         for px in sizes_for(model):
             m = measurer.get(unet, (px // 8, px // 8), BATCH, cfg, device=device,
                              runner=run_block)
@@ -158,5 +136,5 @@ def measure_loaded() -> dict[str, str]:
         if model is None:
             narrate.console(f"ToMe: Measure now: {why}")
             return {"html": f"<p>ToMe: {html.escape(why)}.</p>"}
-        text, _ = run(model, runner.measuring_service(), host.compute_device(model))
+        text, _ = run(model, host.measuring_service(), host.compute_device(model))
     return {"html": text}

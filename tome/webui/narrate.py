@@ -8,12 +8,12 @@ hosts that re-apply the patch per pass or per step never repeat themselves.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import methods, policy
 from ..config import ToMeConfig
+from ..report import ATTN1_PATCH, PatchReport
 from . import infotext
 
 PASS_LABELS = infotext.PASS_LABELS
@@ -38,6 +38,14 @@ def console(line: str) -> None:
         except (OSError, ValueError):  # a closed or broken stream: nothing to finish
             pass
     print(line, flush=True)
+
+
+def head(kind: str, report: PatchReport) -> str:
+    """Who is merged how: ``SD1 (ldm)`` for the hooks, ``Forge UNet (attn1 patch),`` for the
+    Forge family's patcher."""
+    if report.adapter == ATTN1_PATCH:
+        return "Forge UNet (attn1 patch),"
+    return f"{kind + ' ' if kind else ''}({report.family})"
 
 
 def what(cfg: ToMeConfig | None) -> str:
@@ -73,19 +81,6 @@ def builtin_off(was_on: dict[str, Any]) -> None:
               "so the model is never merged twice")
 
 
-def library_notes(caught: list) -> list[str]:
-    """The library's warnings while patching: its ToMe messages become console notes (skipped
-    blocks are in the summary line already); any other warning is shown as usual."""
-    notes = []
-    for w in caught:
-        text = str(w.message)
-        if not text.startswith("ToMe:"):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        elif not text.startswith("ToMe: skipped"):
-            notes.append(text)
-    return notes
-
-
 @dataclass
 class Voice:
     """What one generation has said so far."""
@@ -117,14 +112,13 @@ class Voice:
             line += f"; seed {seed}"
         console(line)
 
-    def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, levels: list[int],
-                    latent: tuple[int, int], kind: str,
-                    measured: dict[int, policy.LevelSpeed] | None = None) -> None:
-        """Once per pass: what the auto policy does and why (console and infotext), and which
-        levels it merged (infotext: pasting reproduces the image on any machine)."""
+    def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, latent: tuple[int, int],
+                    decisions: list[policy.Decision]) -> None:
+        """Once per pass: what the auto policy decided and why (console and infotext), and
+        which levels it merged (infotext: pasting reproduces the image on any machine). The
+        planner tells its ``decisions`` as soon as it knows them (``Planner.on_decided``)."""
         if cfg.policy != "auto" or name in self.auto:
             return
-        decisions = policy.decide(cfg, latent, levels, kind, measured)
         self.auto[name] = f"{PASS_LABELS[name]} {policy.summary(decisions, latent)}"
         self.merged[name] = [d.level for d in decisions if d.merged]
         console(f"ToMe auto: {self.auto[name]}")

@@ -14,24 +14,21 @@ generation, model load, UI reload and ``p.close()`` clears what is left.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import apply_patch, is_patched, patch_report, policy, remove_patch
+from .. import is_patched, methods, policy, remove_patch
 from ..config import ToMeConfig
-from ..measurements import MeasurementCache, Measurer
-from ..patch import state_of
-from ..unet import UnsupportedModelError
+from ..layout import UnsupportedModelError
+from ..report import PatchReport
 from . import host, infotext, narrate
 from . import script_args as A
 
 GEN_ATTR = "_tome_generation"
 
 _patched: weakref.WeakSet = weakref.WeakSet()
-_measurers: list[Measurer] = []
 
 
 @dataclass
@@ -46,10 +43,9 @@ class Generation:
     passes: dict[str, ToMeConfig | None] = field(default_factory=dict)
     ready: bool = False                # ``process`` ran: ``passes`` and the infotext are set
     voice: narrate.Voice = field(default_factory=narrate.Voice)
-    forge_patches: list[Any] = field(default_factory=list, repr=False)
+    # The passes' patch reports: the ModelPatcher adapter learns skipped blocks while sampling.
+    reports: list[PatchReport] = field(default_factory=list, repr=False)
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
-    # pass -> what its auto note needs, until the planner has measured the pass's size
-    pending: dict[str, tuple] = field(default_factory=dict, repr=False)
 
     def pass_name(self, p: Any) -> str:
         if self.img2img:
@@ -117,19 +113,14 @@ def before_sampling(p: Any, x: Any = None) -> None:
     if cfg is None:
         _unpatch(model)
         return
-    cfg = cfg.replace(seed=host.seed_of(p))
-    if hasattr(model, "forge_objects"):
-        _patch_forge(p, model, gen, cfg, name, x)
-    else:
-        _patch_hooks(p, model, gen, cfg, name, x)
+    _patch(p, model, gen, cfg.replace(seed=host.seed_of(p)), name, x)
 
 
 def after_batch(p: Any) -> None:
-    """After each batch's sampling, before its images' infotext: blocks Forge skipped."""
+    """After each batch's sampling, before its images' infotext: blocks skipped meanwhile."""
     gen: Generation | None = getattr(p, GEN_ATTR, None)
     if gen is not None:
-        _forge_skips(p, gen)
-        _auto_notes(p, gen)
+        _skips(p, gen)
 
 
 def after_generation(p: Any) -> None:
@@ -143,8 +134,7 @@ def on_cfg_denoiser(params: Any) -> None:
     gen: Generation | None = getattr(p, GEN_ATTR, None)
     if gen is None or not gen.ready or gen.voice.skipped is not None:
         return
-    _forge_skips(p, gen)
-    _auto_notes(p, gen)
+    _skips(p, gen)
     model = host.current_model(p)
     last = gen.last_model() if gen.last_model is not None else None
     if model is not None and model is not last:
@@ -191,48 +181,11 @@ def _with_options(settings: A.ScriptSettings, xyz: dict[str, Any]) -> A.ScriptSe
     return settings.replace(hires_only=hires_only, hr_ratio=hr_ratio)
 
 
-def measuring_service() -> Measurer:
-    """The process's one measuring service: its results and cache file are shared by every
-    generation and by Settings > ToMe > Measure now."""
-    if not _measurers:
-        _measurers.append(Measurer(MeasurementCache(host.cache_path(), say=narrate.console),
-                                   say=narrate.console, progress=host.show_progress))
-    return _measurers[0]
-
-
-def _measurer(cfg: ToMeConfig) -> Measurer | bool:
-    """The measuring service, or False where the policy does not measure or the setting
-    turned measuring off."""
-    if cfg.policy != "auto" or not bool(getattr(host.opts(), "tome_measure", True)):
-        return False
-    return measuring_service()
-
-
-def _auto_choice(p: Any, gen: Generation, name: str, cfg: ToMeConfig, levels: list[int],
-                 x: Any, model: Any, planner: Any) -> None:
-    """The auto policy's note for this pass: now, or, where the planner measures this size at
-    its first UNet call (on the device it samples on), as soon as that is done."""
-    if cfg.policy != "auto" or name in gen.voice.auto:
-        return
-    latent = host.latent_size(p, name, x)
-    kind = policy.device_kind(host.compute_device(model, x))
-    gen.pending[name] = (cfg, levels, latent, kind, planner)
-    _auto_notes(p, gen)
-
-
-def _auto_notes(p: Any, gen: Generation) -> None:
-    """Write the pending auto notes whose decisions are known."""
-    for name, (cfg, levels, latent, kind, planner) in list(gen.pending.items()):
-        if planner.measurer is None or latent in planner.measured:
-            del gen.pending[name]
-            gen.voice.auto_choice(p, name, cfg, levels, latent, kind,
-                                  planner.measured.get(latent))
-
-
-def _forge_skips(p: Any, gen: Generation) -> None:
-    """Forge's patch learns while sampling which blocks another patch replaces."""
-    gen.voice.skipped_blocks(p, [s for patch in gen.forge_patches
-                                 for s in getattr(patch, "skipped", None) or ()])
+def _skips(p: Any, gen: Generation) -> None:
+    """Blocks left alone in this generation; the ModelPatcher adapter learns them while
+    sampling (another patch replaces their attn1)."""
+    skipped = {(str(b), why): (b, why) for r in gen.reports for b, why in r.skipped}
+    gen.voice.skipped_blocks(p, list(skipped.values()))
 
 
 def _unpatch(model: Any) -> None:
@@ -243,66 +196,37 @@ def _unpatch(model: Any) -> None:
         pass
 
 
-def _patch_hooks(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
-                 x: Any) -> None:
-    """A1111 (ldm/sgm models): the library's hooks on the model's UNet for this pass."""
+def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: Any) -> None:
+    """Patch the current model for this pass (``host.patch_model``: the adapter this host
+    speaks), then say what was done: one summary line, or why nothing is merged."""
     reason = host.unsupported(model)
-    notes: list[str] = []
+    report = None
     if reason is None:
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                apply_patch(model, config=cfg, measure=_measurer(cfg))
-            notes = narrate.library_notes(caught)
+            report = host.patch_model(model, cfg, host.measurer(cfg))
         except UnsupportedModelError as e:
-            reason = str(e).removeprefix("ToMe: ")
+            reason = str(e)
         except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
             _unpatch(model)
             reason = f"patching failed ({type(e).__name__}: {e})"
-    if reason is not None:
-        gen.voice.skip_model(p, reason)
-        return
-    _patched.add(model)
-    report = patch_report(model)
-    if not report.patched_blocks:  # e.g. max_downsample 1 on SDXL: say so, claim no merge
+    if report is not None and report.nothing:  # e.g. max_downsample 1 on SDXL: claim no merge
         _unpatch(model)
-        reason = next((n for n in notes if "merges nothing" in n), None) or (
-            f"every block skipped: {report.skipped[0][1]}" if report.skipped
-            else "no transformer block at the levels to merge")
+        reason = report.nothing
+    if reason is not None:
         gen.voice.skip_model(p, reason.removeprefix("ToMe: "))
         return
-    gen.voice.skipped_blocks(p, report.skipped)
-    kind = host.model_kind(model)
-    c = report.config
-    gen.voice.summary(f"{kind + ' ' if kind else ''}({report.family})", gen.passes,
-                      report.coverage(), report.skipped,
-                      cfg.seed if c.method == "merge" and c.use_rand else None)
-    for note in notes:
+    _patched.add(model)
+    if report not in gen.reports:
+        gen.reports.append(report)
+    _skips(p, gen)
+    seeded = methods.get(cfg.method).seeded(cfg)
+    gen.voice.summary(narrate.head(host.model_kind(model), report), gen.passes,
+                      report.coverage(), report.skipped, cfg.seed if seeded else None)
+    for note in report.notes():
         gen.voice.say(note)
-    _auto_choice(p, gen, name, cfg, sorted(report.levels), x, model, state_of(model).planner)
-
-
-def _patch_forge(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str,
-                 x: Any) -> None:
-    """Forge rebuilds its UNet patcher before every pass: add our patches to that pass's clone."""
-    from .. import patcher
-    original = model.forge_objects.unet
-    measurer = _measurer(cfg)
-    try:
-        unet, patch = patcher.patch_unet(original, cfg, lambda: model.forge_objects.unet,
-                                       measurer or None)
-    except UnsupportedModelError as e:  # a DiT (Flux, Chroma, ...): nothing to merge
-        gen.voice.skip_model(p, str(e).removeprefix("ToMe: "))
-        return
-    except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
-        gen.voice.skip_model(p, f"patching failed ({type(e).__name__}: {e})")
-        return
-    model.forge_objects.unet = unet
-    if patch is None:
-        return
-    if patch not in gen.forge_patches:
-        gen.forge_patches.append(patch)
-    gen.voice.summary("Forge UNet (attn1 patch),", gen.passes,
-                      f"{narrate.what(cfg)} at downsample <= {patch.max_downsample}",
-                      seed=cfg.seed)
-    _auto_choice(p, gen, name, cfg, patch.levels, x, model, patch.planner)
+    if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
+        planner = report.planner
+        planner.on_decided = lambda size, decisions: gen.voice.auto_choice(
+            p, name, cfg, size, decisions)
+        planner.announce(host.latent_size(p, name, x),
+                         policy.device_kind(host.compute_device(model, x)))

@@ -1,9 +1,5 @@
 """The script's arguments: one generation's settings, a ``ToMeConfig`` plus the WebUI's own
-switches.
-
-(The WebUI's Settings-tab entries are in ``settings_tab.py``.)
-
-The script-level settings of one generation: a ``ToMeConfig`` plus the WebUI's own switches.
+switches (the Settings-tab entries are in ``settings_tab.py``).
 
 The WebUI hands a script its arguments either positionally (the values of the components that
 ``ui()`` returned, in ``ARGS`` order) or, through the API, as one dict of named settings in

@@ -1,6 +1,6 @@
 """The accordion's gradio components, generated from ``ToMeConfig``'s field metadata.
 
-``build`` returns the components in ``settings.ARGS`` order, which is the API's positional
+``build`` returns the components in ``script_args.ARGS`` order, which is the API's positional
 contract. Labels are the keys of users' saved defaults in ``ui-config.json``, so they stay
 stable too. Tooltips live in ``javascript/tome.js``, rendered from ``HELP`` by ``tooltips_js``
 (gradio 3.41 has no tooltip argument; a test keeps the file in sync).

@@ -1,6 +1,6 @@
 """Axes for the X/Y/Z plot script: compare ToMe settings in one grid.
 
-Each axis stores its value on the plot cell's copy of ``p`` (``runner.XYZ_ATTR``); the runner
+Each axis stores its value on the plot cell's copy of ``p`` (``script_args.XYZ_ATTR``); the runner
 lays those values over the script's arguments, so a ToMe axis turns ToMe on in every cell
 unless the "[ToMe] Enabled" axis says otherwise. Values are validated when the grid starts.
 """

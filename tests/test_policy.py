@@ -1,0 +1,182 @@
+"""The auto policy (``tome/policy.py``) and how the planner applies it: thresholds per device
+kind, measured speed-ups with their margin, the reasons the console and infotext show, the
+planner's decisions told once per size (``Planner.on_decided``), and compiled graphs that only
+read decisions already made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import ldm_inputs
+from stubs import fake_clock
+
+import tome
+from tome import methods, plan, policy
+from tome.config import ToMeConfig
+
+
+def test_auto_policy_merges_only_where_it_pays_on_this_device(sd15):
+    # CPU threshold: 4096 tokens. A 16x16 latent has 256 tokens at full resolution.
+    assert methods.get("merge").thresholds["cpu"] == 4096
+    small = ldm_inputs(2, 16, 16)
+    base = sd15(*small)
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=False)
+    try:
+        assert torch.equal(sd15(*small), base)  # not merged: bit-identical
+        (d,) = tome.patch_report(sd15).decisions.values()
+        assert not d.merged and "below the CPU threshold (4096)" in d.reason
+        big = ldm_inputs(1, 64, 64)
+        ref_big = None
+        out = sd15(*big)
+    finally:
+        tome.remove_patch(sd15)
+    ref_big = sd15(*big)
+    assert not torch.equal(out, ref_big)  # 4096 tokens: merged
+
+
+@pytest.mark.parametrize("speedup, merged", [(2.0, True), (1.04, False), (1.06, True),
+                                             (0.8, False)])
+def test_auto_policy_decides_from_measurements(sd15, tmp_path, speedup, merged):
+    from tome.measurements import MeasurementCache, Measurer
+
+    x = ldm_inputs(2, 16, 16)  # 256 tokens: below every threshold, so only a measurement merges
+    base = sd15(*x)
+    calls = []
+    said = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=2,
+                       clock=fake_clock(speedup, calls))
+    state = torch.get_rng_state()
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
+    try:
+        out = sd15(*x)
+        again = sd15(*x)
+        (d,) = tome.patch_report(sd15).decisions.values()
+    finally:
+        tome.remove_patch(sd15)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(sd15(*x), base)
+    assert torch.equal(out, again) and torch.equal(out, base) != merged
+    assert d.merged is merged and d.reason.startswith(f"measured {speedup:.2f}x on ")
+    assert len(calls) == 3 * 2 and len(said) == 1 and "ToMe: measured 128x128 px" in said[0]
+    # a new patch of the same model reads the cache: nothing is measured again
+    calls.clear()
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=Measurer(
+        MeasurementCache(tmp_path / "m.json"), say=said.append, clock=fake_clock(9.0, calls)))
+    try:
+        sd15(*x)
+        (d,) = tome.patch_report(sd15).decisions.values()
+    finally:
+        tome.remove_patch(sd15)
+    assert not calls and d.merged is merged
+
+
+def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
+    from tome.measurements import MeasurementCache, Measurer
+
+    calls = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), clock=fake_clock(3.0, calls))
+    cases = [({"policy": "auto", "measure": False},
+              (False, "256 tokens, below the CPU threshold (4096), not merged")),
+             ({"policy": "fixed", "measure": service}, (True, "fixed policy"))]
+    for kw, expected in cases:
+        tome.apply_patch(sd15, ratio=0.5, **kw)
+        try:
+            sd15(*ldm_inputs(2, 16, 16))
+            (d,) = tome.patch_report(sd15).decisions.values()
+        finally:
+            tome.remove_patch(sd15)
+        assert (d.merged, d.reason) == expected, kw
+    assert not calls
+
+
+def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
+    from tome.measurements import MeasurementCache, Measurer
+
+    calls = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json"), say=lambda s: None, rounds=1,
+                       clock=fake_clock(2.0, calls))
+    x = ldm_inputs(2, 16, 16)
+    tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
+    try:
+        eager = sd15(*x)  # measures
+        measured = len(calls)
+        torch._dynamo.reset()
+        from torch._dynamo.testing import CompileCounter
+        counter = CompileCounter()
+        compiled = torch.compile(sd15, backend=counter, fullgraph=True)
+        out = compiled(*x)
+        out2 = compiled(*ldm_inputs(2, 16, 16, seed=5))
+        assert len(calls) == measured and counter.frame_count == 1
+        torch.testing.assert_close(out, eager)
+        assert out2.shape == out.shape
+        # a size never measured in eager mode is not measured inside the graph either
+        compiled(*ldm_inputs(2, 24, 24))
+        assert len(calls) == measured
+    finally:
+        tome.remove_patch(sd15)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind,tokens,merged", [
+    ("cuda", 4096, False), ("cuda", 16384, True), ("cpu", 4096, True), ("cpu", 1024, False),
+    ("mps", 4096, True), ("xla", 4096, False)])
+def test_policy_decisions_per_device_kind(kind, tokens, merged):
+    cfg = ToMeConfig(policy="auto")
+    assert policy.decide_level(cfg, 1, tokens, policy.device_kind(kind)).merged is merged
+    assert policy.decide_level(cfg.replace(policy="fixed"), 1, tokens, kind).merged
+
+
+def test_policy_summary_names_size_tokens_and_device():
+    cfg = ToMeConfig(policy="auto")
+    line = policy.summary(policy.decide(cfg, (64, 64), [1], "cuda"), (64, 64))
+    assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384), not merged"
+
+
+def test_each_reason_belongs_to_its_decision():
+    """Every branch of ``decide_level`` with its exact reason: a swap of two fails."""
+    auto = ToMeConfig(policy="auto")
+    cases = [
+        (auto.replace(policy="fixed"), None, 1024, (True, "fixed policy")),
+        (auto, policy.LevelSpeed(1.5, "CPU X"), 1024, (True, "measured 1.50x on CPU X, merged")),
+        (auto, policy.LevelSpeed(1.02, "CPU X"), 65536,
+         (False, "measured 1.02x on CPU X, not merged")),
+        (auto, None, 4096, (True, "4096 tokens, at or above the CPU threshold (4096)")),
+        (auto, None, 1024, (False, "1024 tokens, below the CPU threshold (4096), not merged")),
+    ]
+    for cfg, measured, tokens, expected in cases:
+        d = policy.decide_level(cfg, 1, tokens, "cpu", measured)
+        assert (d.merged, d.reason) == expected
+
+
+def test_the_planner_tells_its_decisions_once_per_size_after_measuring():
+    """The narration reads what the planner decided (no polling, no recomputing): told once
+    per size, after the size is measured, with the decisions the blocks then use."""
+    asked, told = [], []
+
+    def measurer(size, batch, device):
+        asked.append(size)
+        return {1: policy.LevelSpeed(2.0, "CPU X")}
+
+    planner = plan.Planner(ToMeConfig(policy="auto"), 2, measurer, [1, 2])
+    planner.on_decided = lambda size, decisions: told.append((size, decisions))
+    planner.announce((16, 16), "cpu")
+    assert told == []                        # not measured yet: told after the first call
+    t = torch.tensor([500.0])
+    call = planner.begin((16, 16), torch.device("cpu"), t, 2)
+    planner.begin((16, 16), torch.device("cpu"), t, 2)
+    planner.announce((16, 16), "cpu")
+    assert asked == [(16, 16)] and len(told) == 1
+    size, decisions = told[0]
+    assert size == (16, 16) and [(d.level, d.merged) for d in decisions] == [(1, True),
+                                                                              (2, False)]
+    assert decisions[0].reason == "measured 2.00x on CPU X, merged"
+    assert decisions[1].reason == "64 tokens, below the CPU threshold (4096), not merged"
+    assert planner.decision(1, 256, "cpu", call.measured.get(1)) is decisions[0]
+
+
+def test_without_measuring_the_planner_tells_at_once():
+    told = []
+    planner = plan.Planner(ToMeConfig(policy="auto"), 1, None, [1])
+    planner.on_decided = lambda size, decisions: told.append(decisions)
+    planner.announce((64, 64), "cuda")
+    planner.announce((64, 64), "cuda")
+    assert [[(d.merged, d.tokens) for d in ds] for ds in told] == [[(False, 4096)]]

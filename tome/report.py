@@ -1,0 +1,87 @@
+"""What a patch did: the one report both host adapters return.
+
+``patch.apply`` (hooks) and ``patcher.patch_unet`` (the ModelPatcher contract) answer with the
+same ``PatchReport``, so a host's runner handles both alike: the family, the levels and blocks
+that may merge, the blocks left alone and why, the planner (its live decisions and token
+figures), and why nothing is merged at all as data (``nothing``), never as an exception on
+one path and a warning on the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import methods
+from .config import ToMeConfig
+
+HOOKS, ATTN1_PATCH = "hooks", "attn1 patch"  # how a patch reaches the blocks
+
+TOMESD_REPLACED = ("ToMe: the model was patched by tomesd (e.g. the WebUI's built-in token "
+                   "merging); that patch was removed so tokens are never merged twice")
+
+
+@dataclass
+class PatchReport:
+    """What a patch did: a short, printable account for users, hosts and tests."""
+
+    family: str
+    config: ToMeConfig
+    max_downsample: int
+    levels: dict[int, int] = field(default_factory=dict)   # downsample -> blocks patched
+    total_blocks: int = 0
+    # (block, reason): blocks left alone. The ModelPatcher adapter learns them while sampling.
+    skipped: list[tuple[Any, str]] = field(default_factory=list)
+    replaced_tomesd: bool = False
+    adapter: str = HOOKS
+    planner: Any = field(default=None, repr=False)  # ``plan.Planner``: decisions, tokens
+    unmergeable: str | None = None  # why the settings merge no level of this model
+
+    @property
+    def patched_blocks(self) -> int:
+        return sum(self.levels.values())
+
+    @property
+    def tokens(self) -> dict[int, tuple[int, int]]:
+        """Filled while running: downsample -> (tokens, tokens removed) of the latest call."""
+        return self.planner.tokens if self.planner is not None else {}
+
+    @property
+    def decisions(self) -> dict[tuple, Any]:
+        """Filled while running: the auto policy's decisions."""
+        return self.planner.decisions if self.planner is not None else {}
+
+    @property
+    def nothing(self) -> str | None:
+        """Why this patch merges nothing at all (the model is then left as it was), or None."""
+        if self.unmergeable:
+            return self.unmergeable
+        if self.patched_blocks:
+            return None
+        if self.skipped:
+            return f"ToMe: every block skipped: {self.skipped[0][1]}"
+        return "ToMe: no transformer block at the levels to merge"
+
+    def notes(self) -> list[str]:
+        """What the patch changed besides merging, one line each."""
+        return [TOMESD_REPLACED] if self.replaced_tomesd else []
+
+    def coverage(self) -> str:
+        """Hooks: ``5/16 blocks patched at downsample <= 1 (ds1: 5)``; the attn1 patch:
+        ``ratio 0.5 at downsample <= 1``; plus the step window."""
+        c = self.config
+        if self.adapter != HOOKS:
+            return f"{methods.get(c.method).describe(c)} at downsample <= {self.max_downsample}"
+        levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
+        text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
+                f"{self.max_downsample} ({levels})")
+        if c.start > 0 or c.end < 1:
+            text += f", steps {c.start:g}-{c.end:g}"
+        return text
+
+    def summary(self) -> str:
+        text = (f"ToMe: {self.family} UNet, {methods.get(self.config.method).describe(self.config)}"
+                f"; {self.coverage()}")
+        if self.skipped:
+            text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
+        return text
