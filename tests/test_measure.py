@@ -1,4 +1,5 @@
-"""tome.measure: timing levels on the user's device, deciding with a margin, caching the answer.
+"""tome.measure: timing levels on the user's device and deciding with a margin (remembering the
+answer is ``test_measurements.py``'s).
 
 Real small UNets (ldm and diffusers, random weights, zero-initialised outputs randomised);
 decisions are checked with fake clocks, the real CPU clock only has to give positive times.
@@ -6,7 +7,6 @@ decisions are checked with fake clocks, the real CPU clock only has to give posi
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -261,137 +261,6 @@ def test_merged_run_is_what_the_patch_runs(family, method):
     out = run_block(block, hidden, context, planner, plan)
     assert torch.equal(out, seen["out"])
     assert not torch.equal(block(*seen["args"], **seen["kwargs"]), out)  # it did merge
-
-
-# ----------------------------------------------------------------------------- cache keys
-
-def test_cache_key_parts(ldm, dif, monkeypatch):
-    c = ToMeConfig()
-    key = C.cache_key(ldm, LATENT, 2, c)
-    same = [C.cache_key(ldm, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
-                                                  use_rand=False)),
-            C.cache_key(ldm_unet(TINY_SD15, seed=5), LATENT, 2, c)]  # other weights
-    assert all(k == key for k in same)
-    other = [C.cache_key(ldm, (16, 24), 2, c), C.cache_key(ldm, LATENT, 1, c),
-             C.cache_key(copy.deepcopy(ldm).to(torch.bfloat16), LATENT, 2, c),
-             C.cache_key(dif, LATENT, 2, c),
-             C.cache_key(ldm_unet({**TINY_SD15, "num_heads": 4}), LATENT, 2, c),
-             C.cache_key(ldm, LATENT, 2, c.replace(method="downsample")),
-             C.cache_key(ldm, LATENT, 2, c.replace(ratio=0.3)),
-             C.cache_key(ldm, LATENT, 2, c.replace(max_downsample=2))]
-    monkeypatch.setattr(C, "device_name", lambda device: "Some Other CPU")
-    other.append(C.cache_key(ldm, LATENT, 2, c))
-    assert len({k.digest for k in [key, *other]}) == len(other) + 1
-    parts = key.parts
-    assert parts["latent"] == [16, 16] and parts["batch"] == 2 and parts["dtype"] == "float32"
-    assert parts["torch"] == torch.__version__ and parts["capability"] is None
-    assert parts["attention"].endswith("CrossAttention.forward")
-    assert "seed" not in parts["config"] and "use_rand" not in parts["config"]
-    assert C.cache_key(dif, LATENT, 2, c).parts["attention"].startswith("AttnProcessor")
-
-
-def test_fingerprint_is_architecture_only(ldm, dif):
-    assert C.fingerprint(ldm) == C.fingerprint(ldm_unet(TINY_SD15, seed=3))
-    assert len({C.fingerprint(u) for u in (ldm, dif, ldm_unet(TINY_SDXL))}) == 3
-
-
-# ----------------------------------------------------------------------------- the cache
-
-def _measurement(latent=(16, 16)):
-    return M.Measurement("Test CPU", "float32", latent, 2, "merge", (row(2.0, 1.0),))
-
-
-def _key(latent=(16, 16)):
-    return C.CacheKey.of({"device": "Test CPU", "dtype": "float32", "latent": list(latent),
-                          "batch": 2, "config": {"method": "merge"}})
-
-
-def test_cache_round_trip(tmp_path):
-    said = []
-    cache = C.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
-    assert cache.get(_key()) is None
-    assert cache.put(_key(), _measurement())
-    assert cache.put(_key((8, 8)), _measurement((8, 8)))
-    fresh = C.MeasurementCache(tmp_path / "deep" / "m.json", say=said.append)
-    assert fresh.get(_key()) == _measurement()
-    assert fresh.get(_key((8, 8))) == _measurement((8, 8))
-    assert fresh.get(_key((4, 4))) is None
-    data = json.loads((tmp_path / "deep" / "m.json").read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == C.VERSION == 2
-    assert data["entries"][_key().digest]["parts"]["latent"] == [16, 16]  # readable
-    assert said == [] and [p.name for p in (tmp_path / "deep").iterdir()] == ["m.json"]
-
-
-def _tampered_parts(path):
-    C.MeasurementCache(path, say=print).put(_key(), _measurement())
-    data = json.loads(path.read_text())
-    data["entries"][_key().digest]["parts"]["batch"] = 99
-    return json.dumps(data).encode()
-
-
-def _other_key(path):
-    """A valid entry filed under another key's digest: never used for that key."""
-    C.MeasurementCache(path, say=print).put(_key((8, 8)), _measurement((8, 8)))
-    data = json.loads(path.read_text())
-    entries = data["entries"]
-    entries[_key().digest] = entries.pop(_key((8, 8)).digest)
-    return json.dumps(data).encode()
-
-
-def _wrong_measurement(path):
-    """Parts intact, measurement of another latent."""
-    C.MeasurementCache(path, say=print).put(_key(), _measurement((8, 8)))
-    return path.read_bytes()
-
-
-@pytest.mark.parametrize("content", [
-    b"\x00\xff garbage {",
-    b'{"format": "something-else", "version": 1, "entries": {}}',
-    b'["a", "list"]',
-    b'{"format": "tome-measurements", "version": 99, "entries": {}}',
-    b'{"format": "tome-measurements", "version": 1, "entries": {"x": {}}}',
-    _tampered_parts, _other_key, _wrong_measurement,
-], ids=["garbage", "other-format", "list", "newer-version", "older-version", "tampered-parts",
-        "other-key", "wrong-measurement"])
-def test_bad_cache_file_one_line_then_rewritten(tmp_path, content, capsys):
-    path = tmp_path / "m.json"
-    path.write_bytes(content(path) if callable(content) else content)
-    capsys.readouterr()
-    said = []
-    cache = C.MeasurementCache(path, say=said.append)
-    assert cache.get(_key()) is None
-    assert cache.get(_key()) is None
-    assert len(said) == 1 and said[0].startswith("ToMe: ")
-    assert ("older ToMe" in said[0]) == (b'"tome-measurements", "version": 1,' in path.read_bytes())
-    assert cache.put(_key(), _measurement())
-    assert len(said) == 1
-    data = json.loads(path.read_text())
-    assert data["format"] == "tome-measurements" and data["version"] == C.VERSION == 2
-    assert C.MeasurementCache(path, say=said.append).get(_key()) == _measurement()
-    assert len(said) == 1
-
-
-def test_unwritable_cache_does_not_crash(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    said = []
-    cache = C.MeasurementCache(blocker / "sub" / "m.json", say=said.append)
-    assert cache.put(_key(), _measurement()) is False
-    assert cache.put(_key(), _measurement()) is False
-    assert cache.get(_key()) is None
-    assert len(said) == 1 and said[0].startswith("ToMe: ")
-
-
-def test_default_cache_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("TOME_CACHE_DIR", str(tmp_path / "t"))
-    assert C.default_cache_path() == tmp_path / "t" / "measurements.json"
-    monkeypatch.delenv("TOME_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert C.default_cache_path() == tmp_path / "x" / "tome-sd" / "measurements.json"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert C.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
-    assert C.MeasurementCache().path == C.default_cache_path()
 
 
 # ----------------------------------------------------------------------------- grad modes
