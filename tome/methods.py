@@ -21,15 +21,16 @@ touches.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from . import merge
 
-if TYPE_CHECKING:  # the config validates against this registry: it imports us, not we it
-    from .config import ToMeConfig
+# A ``config.ToMeConfig``. The config validates method names against this module's registry,
+# so it imports this module, never the reverse.
+ToMeConfig = Any
 
 
 class Planner(Protocol):
