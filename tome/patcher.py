@@ -70,15 +70,37 @@ class Attn1Patch:
                                         "Guidance)"))
         return True
 
-    def attn1(self, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict):
+    def __deepcopy__(self, memo: dict) -> Attn1Patch:
+        """Shared, never copied: ComfyUI deep-copies ``model_options`` (and with it this
+        instance's bound methods) on every clone; a patch is one function, like a closure."""
+        return self
+
+    def _retiled(self, block: Any, n: torch.Tensor, extra: dict) -> bool:
+        """An attn1 patch before ours split the tokens into tiles (ComfyUI's HyperTile: the
+        batch grows, each tile looks like a deeper level's grid): leave the block alone."""
+        batch = extra["original_shape"][0]
+        if n.shape[0] == batch:
+            return False
+        if not any(b == block for b, _ in self.skipped):
+            self.skipped.append((block, "attn1 input split into tiles by another patch (e.g. "
+                                        "HyperTile)"))
+        return True
+
+    def attn1(self, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict | None = None,
+              **dit: Any):
+        """The UNet call form ``(n, k, v, extra) -> (n, k, v)``. The DiT call form (ComfyUI's
+        Flux/Qwen-Image blocks: ``(q, k, v, pe=, attn_mask=, extra_options=)`` returning a
+        dict of what changed) gets an empty dict: DiTs are not merged."""
         self.plan = None
+        if extra is None:
+            return {}
         if extra.get("original_shape") is None or n.dim() != 3:
             return n, k, v
         block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
         self._begin(block, n, extra)
         # Only a block that would be merged can be "skipped" because another patch owns it.
         if self.call is None or not self.planner.merges(self.call, n.shape[1]) \
-                or self._replaced(block, extra):
+                or self._replaced(block, extra) or self._retiled(block, n, extra):
             return n, k, v
         self_attention = k is n and v is n
         if "attn1" not in self.method.sub_layers(self.config) \
@@ -126,6 +148,57 @@ def run_block(block: Any, x: torch.Tensor, context: torch.Tensor | None, planner
     if plan is not None:
         options["patches"] = {"attn1_patch": [attn1], "attn1_output_patch": [attn1_output]}
     return block(x, context=context, transformer_options=options)
+
+
+ATTN1_LISTS = ("attn1_patch", "attn1_output_patch")
+
+
+def attn1_patch_lists(unet_patcher: Any) -> list[list]:
+    """The lists holding a patcher's attn1 and attn1 output patches, wherever the host keeps
+    them: ComfyUI (and Forge Neo) in ``model_options["transformer_options"]["patches"]``, the
+    Forge stand-in in ``patches``. Editing them edits the patcher (do it on a clone)."""
+    options = getattr(unet_patcher, "model_options", None) or {}
+    places = [(options.get("transformer_options") or {}).get("patches") or {},
+              getattr(unet_patcher, "patches", None) or {}]
+    return [place[name] for place in places if isinstance(place, dict)
+            for name in ATTN1_LISTS if isinstance(place.get(name), list)]
+
+
+def is_ours(fn: Any) -> bool:
+    """A patch function of this adapter (a bound method of an ``Attn1Patch``)."""
+    return isinstance(getattr(fn, "__self__", None), Attn1Patch)
+
+
+def is_tomesd(fn: Any) -> bool:
+    """A patch function of another token merging (tomesd, or ComfyUI's built-in
+    ``TomePatchModel`` from ``comfy_extras.nodes_tomesd``): told by its module."""
+    return not is_ours(fn) and "tomesd" in (getattr(fn, "__module__", None) or "")
+
+
+def carried(unet_patcher: Any) -> tuple[list[Attn1Patch], int]:
+    """What token merging a patcher already carries: our patches (each ``Attn1Patch`` once)
+    and how many foreign ToMe patch functions (``is_tomesd``)."""
+    ours: list[Attn1Patch] = []
+    foreign = 0
+    for fns in attn1_patch_lists(unet_patcher):
+        for fn in fns:
+            if is_ours(fn) and fn.__self__ not in ours:
+                ours.append(fn.__self__)
+            foreign += is_tomesd(fn)
+    return ours, foreign
+
+
+def strip(unet_patcher: Any, which: Callable[[Any], bool]) -> int:
+    """Remove the attn1 (output) patches ``which`` picks from ``unet_patcher`` (a clone: the
+    lists are edited in place); how many were removed."""
+    removed = 0
+    for fns in attn1_patch_lists(unet_patcher):
+        keep = [fn for fn in fns if not which(fn)]
+        removed += len(fns) - len(keep)
+        fns[:] = keep
+    if removed and getattr(unet_patcher, MARK, None) is not None:
+        delattr(unet_patcher, MARK)
+    return removed
 
 
 def attn1_replacements(unet_patcher: Any) -> Mapping:
