@@ -1,5 +1,6 @@
 """The package's layering (docs/development.md): each module imports only from its own layer
-or below, there is no import circle, and only the WebUI layer touches the WebUI.
+or below, there is no import circle, only the WebUI layer touches the WebUI, and only the
+ComfyUI layer touches ComfyUI (lazily: inside functions).
 
 Every import counts, the ones inside functions too: a late import is still a dependency.
 Imports for type annotations only (under ``if TYPE_CHECKING:``) do not run and do not count.
@@ -24,7 +25,7 @@ LAYERS = [
     ("tome.patch", "tome.patcher", "tome.measure"),
     ("tome.measurements",),
     ("tome",),          # the package's public API (__init__)
-    ("tome.webui",),    # and everything under it
+    ("tome.webui", "tome.comfy"),    # the hosts' layers, and everything under them
     ("tome.lab", "tome.bench"),
 ]
 
@@ -114,3 +115,37 @@ def test_adapters_and_the_measurement_never_import_each_other():
     crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
                 if {m, d} & adapters and {m, d} & measuring]
     assert not crossing, crossing
+
+
+def test_the_host_layers_never_import_each_other():
+    crossing = [f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                for a, b in (("tome.webui", "tome.comfy"), ("tome.comfy", "tome.webui"))
+                if (m == a or m.startswith(a + ".")) and (d == b or d.startswith(b + "."))]
+    assert not crossing, crossing
+
+
+COMFY_MODULES = ("comfy", "folder_paths", "server", "comfy_extras", "comfy_api", "nodes")
+
+
+def _host_imports(path: pathlib.Path) -> list[tuple[str, bool]]:
+    """(ComfyUI module, imported inside a function) for each import of ComfyUI in ``path``."""
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [(n, id(node) in inside) for n in names
+                  if n.split(".")[0] in COMFY_MODULES]
+    return found
+
+
+def test_only_the_comfy_layer_imports_comfyui_and_only_lazily():
+    found = {_name(p): _host_imports(p) for p in ROOT.rglob("*.py")}
+    outside = [m for m, imports in found.items() if imports and not m.startswith("tome.comfy")]
+    eager = [f"{m}: {n}" for m, imports in found.items() for n, late in imports if not late]
+    assert not outside and not eager, (outside, eager)
+    assert found["tome.comfy.host"], "the ComfyUI layer's host module is where ComfyUI is read"
+    assert not [m for m, imports in found.items() if imports and m != "tome.comfy.host"]

@@ -1,0 +1,1 @@
+"""Stand-in of ComfyUI's ``comfy`` package (see ../README.md)."""

@@ -1,0 +1,51 @@
+"""``ModelPatcher`` as ComfyUI 0.8.0 keeps its patch contract.
+
+A clone is a new patcher around the same model: weight patches copied per key, ``model_options``
+deep-copied (patch functions in it too: bound methods are deep-copied with their instance
+unless it says otherwise), wrappers copied per key; no other attribute is carried over.
+"""
+
+import copy
+
+import torch
+
+
+class ModelPatcher:
+    def __init__(self, model, load_device=None, offload_device=None):
+        self.model = model
+        self.load_device = load_device or torch.device("cpu")
+        self.offload_device = offload_device or torch.device("cpu")
+        self.patches = {}  # weight patches (by weight name), not attention patches
+        self.model_options = {"transformer_options": {}}
+        self.wrappers = {}
+
+    def clone(self):
+        n = self.__class__(self.model, self.load_device, self.offload_device)
+        n.patches = {k: v[:] for k, v in self.patches.items()}
+        n.model_options = copy.deepcopy(self.model_options)
+        n.wrappers = {k: {k1: w1.copy() for k1, w1 in w.items()} for k, w in self.wrappers.items()}
+        return n
+
+    def set_model_patch(self, patch, name):
+        to = self.model_options["transformer_options"]
+        if "patches" not in to:
+            to["patches"] = {}
+        to["patches"][name] = to["patches"].get(name, []) + [patch]
+
+    def set_model_attn1_patch(self, patch):
+        self.set_model_patch(patch, "attn1_patch")
+
+    def set_model_attn1_output_patch(self, patch):
+        self.set_model_patch(patch, "attn1_output_patch")
+
+    def set_model_patch_replace(self, patch, name, block_name, number, transformer_index=None):
+        to = self.model_options["transformer_options"]
+        key = (block_name, number) if transformer_index is None \
+            else (block_name, number, transformer_index)
+        to.setdefault("patches_replace", {}).setdefault(name, {})[key] = patch
+
+    def set_model_attn1_replace(self, patch, block_name, number, transformer_index=None):
+        self.set_model_patch_replace(patch, "attn1", block_name, number, transformer_index)
+
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)

@@ -1,0 +1,162 @@
+"""One UNet call as ComfyUI 0.8.0 makes it, and its blocks' attn1 contract.
+
+- ``unet_call(patcher, x, timesteps, context, sigma)``: ``transformer_options`` built from the
+  patcher's ``model_options`` (patches, replacements), plus ``sigmas`` and the patcher's
+  wrappers; the ``diffusion_model`` wrappers run around the UNet's forward, which sets
+  ``original_shape``; every transformer block then gets ``block`` ``(side, number)`` and
+  ``block_index``.
+- ``comfy_blocks(unet)``: an ldm UNet's ``BasicTransformerBlock``s with ComfyUI's attn1
+  contract: ``p(n, context_attn1, value_attn1, extra_options)`` for each attn1 patch (``k``
+  and ``v`` are ``n`` itself for self-attention), then the attn1 replacement looked up by
+  ``(side, number, index)`` then ``(side, number)`` (called with projected q, k, v), or attn1;
+  then each attn1 output patch ``p(n, extra_options)``. ``extra_options`` is
+  ``transformer_options`` without ``patches`` and ``patches_replace``.
+- ``DiTModel``: a DiT whose joint blocks call attn1 patches in the DiT form
+  ``p(q, k, v, pe=, attn_mask=, extra_options=)`` and read the returned dict
+  (``out.get("q", q)``), with ``extra_options["img_slice"] = [txt_len, total]``.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+DIFFUSION_MODEL = "diffusion_model"
+_current = []
+
+
+class _Executor:
+    def __init__(self, original, wrappers, idx=0):
+        self.original, self.wrappers, self.idx = original, list(wrappers), idx
+
+    def __call__(self, *args, **kwargs):
+        return _Executor(self.original, self.wrappers, self.idx + 1).execute(*args, **kwargs)
+
+    def execute(self, *args, **kwargs):
+        if self.idx == len(self.wrappers):
+            return self.original(*args, **kwargs)
+        return self.wrappers[self.idx](self, *args, **kwargs)
+
+
+def unet_call(patcher, x, timesteps, context, sigma=1.0):
+    options = dict(patcher.model_options.get("transformer_options", {}))
+    options["patches"] = {k: list(v) for k, v in options.get("patches", {}).items()}
+    wrappers = {}
+    for kind, keyed in patcher.wrappers.items():
+        for key, fns in keyed.items():
+            wrappers.setdefault(kind, {}).setdefault(key, []).extend(fns)
+    options["wrappers"] = wrappers
+    options["sigmas"] = torch.tensor([float(sigma)])
+    unet = patcher.model.diffusion_model
+    around = [w for fns in wrappers.get(DIFFUSION_MODEL, {}).values() for w in fns]
+
+    def forward(x, timesteps=None, context=None, y=None, control=None, transformer_options={}):  # noqa: B006
+        transformer_options["original_shape"] = list(x.shape)
+        _current.append(transformer_options)
+        try:
+            return unet(x, timesteps=timesteps, context=context)
+        finally:
+            _current.pop()
+
+    return _Executor(forward, around).execute(x, timesteps, context, None, None, options)
+
+
+def _where(name):
+    """``input_blocks.1.1.transformer_blocks.0`` -> (("input", 1), 0)."""
+    m = re.match(r"(input|output)_blocks\.(\d+)\..*transformer_blocks\.(\d+)$", name)
+    if m:
+        return (m.group(1), int(m.group(2))), int(m.group(3))
+    m = re.match(r"middle_block\..*transformer_blocks\.(\d+)$", name)
+    return ("middle", 0), int(m.group(1))
+
+
+def _attention(attn, q_in, k_in, v_in):
+    q, k, v = attn.to_q(q_in), attn.to_k(k_in), attn.to_v(v_in)
+    return attn.to_out(_sdpa(q, k, v, attn.heads))
+
+
+def _sdpa(q, k, v, heads):
+    """As ComfyUI's attention: each of q, k, v viewed as (q's batch, -1, heads, dim)."""
+    b = q.shape[0]
+    split = [t.reshape(b, -1, t.shape[-1]).unflatten(-1, (heads, -1)).transpose(1, 2)
+             for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*split).transpose(1, 2).flatten(2)
+
+
+def comfy_blocks(unet):
+    from ldm.modules.attention import BasicTransformerBlock
+
+    class ComfyBlock(BasicTransformerBlock):
+        def forward(self, x, context=None, transformer_options=None):
+            to = dict(transformer_options if transformer_options is not None
+                      else (_current[-1] if _current else {}))
+            to["block"], to["block_index"] = self.comfy_where
+            patches = to.get("patches", {})
+            replace = to.get("patches_replace", {})
+            extra = {k: v for k, v in to.items() if k not in ("patches", "patches_replace")}
+            n = self.norm1(x)
+            context_attn1 = value_attn1 = None
+            if "attn1_patch" in patches:
+                context_attn1 = value_attn1 = n
+                for p in patches["attn1_patch"]:
+                    n, context_attn1, value_attn1 = p(n, context_attn1, value_attn1, extra)
+            block = to["block"]
+            key = (block[0], block[1], to["block_index"])
+            attn1_replace = replace.get("attn1", {})
+            if key not in attn1_replace:
+                key = block
+            if context_attn1 is None:
+                context_attn1 = value_attn1 = n
+            if key in attn1_replace:
+                a = self.attn1
+                out = attn1_replace[key](a.to_q(n), a.to_k(context_attn1), a.to_v(value_attn1),
+                                         extra)
+                n = a.to_out(out)
+            else:
+                n = _attention(self.attn1, n, context_attn1, value_attn1)
+            for p in patches.get("attn1_output_patch", []):
+                n = p(n, extra)
+            x = n + x
+            x = self.attn2(self.norm2(x), context=context) + x
+            return self.ff(self.norm3(x)) + x
+
+    for name, m in unet.named_modules():
+        if type(m) is BasicTransformerBlock:
+            m.__class__ = ComfyBlock
+            m.comfy_where = _where(name)
+    return unet
+
+
+class DiTBlock(torch.nn.Module):
+    """A joint text+image block calling attn1 patches in the DiT form."""
+
+    def __init__(self, dim=8, heads=2):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, txt, img, transformer_options):
+        x = torch.cat([txt, img], dim=1)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        extra = {k2: v2 for k2, v2 in transformer_options.items()
+                 if k2 not in ("patches", "patches_replace")}
+        extra["img_slice"] = [txt.shape[1], x.shape[1]]
+        pe = torch.zeros(x.shape[1])
+        for p in transformer_options.get("patches", {}).get("attn1_patch", []):
+            out = p(q, k, v, pe=pe, attn_mask=None, extra_options=extra)
+            q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
+        x = x + self.out(_sdpa(q, k, v, self.heads))
+        return x[:, txt.shape[1]:]
+
+
+class DiTModel(torch.nn.Module):
+    """A DiT (Flux-like): no UNet transformer blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.double_blocks = torch.nn.ModuleList([DiTBlock() for _ in range(2)])
+
+    def forward(self, txt, img, transformer_options):
+        for b in self.double_blocks:
+            img = b(txt, img, transformer_options)
+        return img

@@ -1,0 +1,309 @@
+"""The ComfyUI node pack (``tome/comfy/`` and the root ``__init__.py``) against a stand-in of
+ComfyUI 0.8.0's contract (``tests/comfy_stub``: ModelPatcher, one UNet call with its wrappers
+and blocks, the DiT call form, the built-in TomePatchModel, progress bar, user directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = str(Path(__file__).resolve().parent / "comfy_stub")
+if STUB not in sys.path:
+    sys.path.insert(0, STUB)
+
+import comfy.utils  # noqa: E402
+import folder_paths  # noqa: E402
+from comfy.model_patcher import ModelPatcher  # noqa: E402
+from comfy.sampling import DiTModel, comfy_blocks, unet_call  # noqa: E402
+from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
+from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
+from stubs import fake_clock  # noqa: E402
+
+from tome import patcher as mp  # noqa: E402
+from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
+from tome.config import FIELDS, ToMeConfig, choices  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def model(config=TINY_SD15):
+    m = torch.nn.Module()
+    m.diffusion_model = comfy_blocks(ldm_unet(config))
+    return ModelPatcher(m)
+
+
+def defaults(**changes):
+    """The node's values as a fresh node in the graph editor has them."""
+    spec = inputs.input_types()
+    values = {name: opts.get("default") for part in spec.values()
+              for name, (_, opts) in part.items() if name != "model"}
+    return {**values, **changes}
+
+
+def run(patcher, sigma=1.0, size=32):
+    x, t, ctx = ldm_inputs(2, size, size)
+    return unet_call(patcher, x, t, ctx, sigma)
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    said = []
+    monkeypatch.setattr(host, "console", said.append)
+    monkeypatch.setattr(nodes.apply, "__defaults__", (said.append,))
+    return said
+
+
+def test_inputs_come_from_the_config_metadata():
+    spec = inputs.input_types()
+    assert list(spec["required"]) == ["model", "preset", *inputs.MAIN]
+    assert list(spec["optional"]) == list(inputs.ADVANCED)
+    for name in (*inputs.MAIN, *inputs.ADVANCED):
+        kind, opts = spec["required"].get(name) or spec["optional"][name]
+        meta = FIELDS[name].metadata
+        assert opts["tooltip"] == meta["help"]
+        if "choices" in meta:
+            assert kind == [str(c) for c in choices(name)]
+        elif "maximum" in meta:
+            assert (opts["min"], opts["max"], opts["step"]) == \
+                (meta["minimum"], meta["maximum"], meta["step"])
+    assert spec["required"]["max_downsample"][0] == ["auto", "1", "2", "4", "8"]
+    assert spec["required"]["method"][0] == ["merge", "downsample"]
+    assert spec["required"]["ratio"][1]["max"] <= 1 - 1 / 64
+    assert inputs.config(defaults()) == ToMeConfig(policy="auto")
+    assert inputs.config(defaults(preset="fast", ratio=0.1, seed=7)).replace(seed=0) == \
+        ToMeConfig(method="downsample", downsample_factor=4, max_downsample=2, policy="auto")
+    assert inputs.config(defaults(preset="fast", seed=7)).seed == 7
+
+
+def test_clone_merges_reproducibly_and_the_input_is_untouched(lines):
+    base = model()
+    before = json.dumps(base.model_options, default=str)
+    plain = run(base)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", seed=3))
+    assert ours is not base and json.dumps(base.model_options, default=str) == before
+    assert not base.wrappers
+    a, b = run(ours), run(ours)
+    assert not torch.equal(a, plain) and torch.equal(a, b)
+    (again,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", seed=3))
+    assert torch.equal(run(again), a)
+    (other,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", seed=4))
+    assert not torch.equal(run(other), a)
+    assert lines == ["ToMe: comfy UNet, ratio 0.5; ratio 0.5 at downsample <= 1"] * 3
+
+
+def test_downsample_method_and_sdxl_at_downsample_2(lines):
+    base = model(TINY_SDXL)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed"))
+    assert not torch.equal(run(ours), run(base))
+    assert "at downsample <= 2" in lines[-1]
+
+
+def test_clones_share_one_patch():
+    """ComfyUI deep-copies model_options on clone: the patch is shared, not copied."""
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults(policy="fixed"))
+    (patch,), _ = mp.carried(ours)
+    (copied,), _ = mp.carried(ours.clone())
+    assert copied is patch
+
+
+def test_a_dit_passes_through_with_one_line(lines):
+    m = torch.nn.Module()
+    m.diffusion_model = DiTModel()
+    dit = ModelPatcher(m)
+    (out,) = nodes.ToMePatch().patch(dit, **defaults())
+    assert out is dit and len(lines) == 1 and "passes through unchanged" in lines[0]
+    assert "not supported" in lines[0] or "no UNet" in lines[0] or "DiTModel" in lines[0]
+
+
+def test_the_dit_call_form_is_answered_with_a_dict():
+    """A patch of ours reaching a DiT block (a model swapped under a patched clone) changes
+    nothing there instead of failing on the keyword call."""
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults(policy="fixed"))
+    dit = DiTModel()
+    options = {"patches": ours.model_options["transformer_options"]["patches"]}
+    txt, img = torch.randn(2, 3, 8), torch.randn(2, 16, 8)
+    torch.testing.assert_close(dit(txt, img, options), dit(txt, img, {}))
+
+
+def test_settings_that_merge_nothing_pass_through(lines):
+    base = model(TINY_SDXL)
+    (out,) = nodes.ToMePatch().patch(base, **defaults(max_downsample="1"))
+    assert out is base and "merges nothing" in lines[0] and len(lines) == 1
+
+
+@pytest.mark.parametrize("changes, name", [
+    ({"ratio": 0.9}, "ratio"), ({"start": 0.8, "end": 0.2}, "start"),
+    ({"method": "bogus"}, "method"), ({"preset": "turbo"}, "preset"),
+])
+def test_bad_settings_are_a_clear_error_and_leave_no_patch(changes, name):
+    base = model()
+    with pytest.raises(ValueError, match=f"ToMe: .*{name}"):
+        nodes.ToMePatch().patch(base, **defaults(**changes))
+    assert base.model_options == {"transformer_options": {}}
+
+
+def test_builtin_tome_before_ours_is_taken_over(lines):
+    base = model()
+    (builtin,) = nodes_tomesd.TomePatchModel().execute(base, 0.5)
+    (ours,) = nodes.ToMePatch().patch(builtin, **defaults(method="downsample",
+                                                          policy="fixed"))
+    assert "built-in TomePatchModel" in lines[0] and len(lines) == 2
+    nodes_tomesd.CALLS.clear()
+    out = run(ours)
+    assert not nodes_tomesd.CALLS
+    (alone,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed"))
+    assert torch.equal(out, run(alone))
+    assert len(builtin.model_options["transformer_options"]["patches"]["attn1_patch"]) == 1
+
+
+def test_builtin_tome_after_ours_is_ignored_with_one_line(lines):
+    base = model()
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed"))
+    expected = run(ours)
+    (builtin,) = nodes_tomesd.TomePatchModel().execute(ours, 0.5)
+    nodes_tomesd.CALLS.clear()
+    assert torch.equal(run(builtin), expected) and torch.equal(run(builtin), expected)
+    assert not nodes_tomesd.CALLS
+    assert sum("added after this ToMe node" in line for line in lines) == 1
+    (plain,) = nodes_tomesd.TomePatchModel().execute(base, 0.5)  # alone, it merges
+    run(plain)
+    assert nodes_tomesd.CALLS
+
+
+def test_ours_twice_merges_once(lines):
+    base = model()
+    (first,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", ratio=0.3))
+    (second,) = nodes.ToMePatch().patch(first, **defaults(policy="fixed", ratio=0.6))
+    (patch,), foreign = mp.carried(second)
+    assert not foreign and patch.config.ratio == 0.6
+    assert "an earlier ToMe node's patch" in lines[1]
+    (direct,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", ratio=0.6))
+    assert torch.equal(run(second), run(direct))
+
+
+def test_a_block_whose_attn1_another_node_replaces_is_left_alone(lines):
+    """Self-Attention Guidance records the middle block's attention through an attn1
+    replacement on a clone of ours: that block must see every token."""
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults(policy="fixed", max_downsample="8"))
+    sag = ours.clone()
+    seen = []
+
+    def record(q, k, v, extra):
+        seen.append(q.shape[1])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    sag.set_model_attn1_replace(record, "middle", 0, 0)
+    run(sag)
+    assert seen == [4 * 4]  # the 32x32 latent's middle block (ds8), unmerged
+    (patch,), _ = mp.carried(sag)
+    assert patch.skipped and patch.skipped[0][0] == ("middle", 0, 0)
+
+
+def test_hypertile_before_or_after_ours_never_fails():
+    """HyperTile splits a full-resolution block's queries into tiles: a tile looks like a
+    deeper level's grid to a patch after it, so ours leaves tiled blocks alone; before it,
+    ours merges and HyperTile finds no full-resolution block to tile."""
+    base = model()
+    (tiled,) = nodes_hypertile.HyperTile().execute(base)
+    (ours,) = nodes.ToMePatch().patch(tiled, **defaults(policy="fixed", max_downsample="2"))
+    run(ours)
+    (patch,), _ = mp.carried(ours)
+    assert patch.skipped and "tiles" in patch.skipped[0][1]
+    (first,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed"))
+    (after,) = nodes_hypertile.HyperTile().execute(first)
+    assert torch.equal(run(after), run(first))
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOME_CACHE_DIR", raising=False)
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path))
+    monkeypatch.setattr(host, "_services", [])
+    return tmp_path
+
+
+def test_auto_policy_measures_in_the_first_call_with_cache_and_progress(user_dir, lines):
+    assert host.cache_path() == user_dir / "tome" / "measurements.json"
+    host.measuring_service().clock = fake_clock(2.0)
+    comfy.utils.EVENTS.clear()
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults())
+    run(ours)
+    run(ours)
+    measured = [line for line in lines if line.startswith("ToMe: measured 256x256 px")]
+    auto = [line for line in lines if line.startswith("ToMe auto: 256x256 px")]
+    assert len(measured) == 1 and len(auto) == 1 and "ds1 2.00x merged" in measured[0]
+    assert comfy.utils.EVENTS == [(0, 1), (1, 1)]
+    assert (user_dir / "tome" / "measurements.json").exists()
+
+
+def test_measure_node_returns_a_table_and_an_image(user_dir, lines):
+    host.measuring_service().clock = fake_clock(1.5)
+    out = nodes.ToMeMeasure().measure(model(), "128, 256")
+    text, image = out["result"]
+    assert out["ui"]["text"] == [text]
+    assert "merge" in text and "downsample" in text and "256x256" in text and "1.50x" in text
+    assert image.shape[0] == 1 and image.shape[-1] == 3 and image.dtype == torch.float32
+    assert 0.0 <= float(image.min()) and float(image.max()) <= 1.0 and image.std() > 0
+    m = torch.nn.Module()
+    m.diffusion_model = DiTModel()
+    text, image = nodes.ToMeMeasure().measure(ModelPatcher(m), "512")["result"]
+    assert "nothing to measure" in text and image.shape[-1] == 3
+    with pytest.raises(ValueError, match="invalid size"):
+        nodes.ToMeMeasure().measure(model(), "512, big")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        measure_node.parse_sizes("500")
+
+
+def _load_pack(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Import the repository as ComfyUI imports a custom node folder, in a fresh Python."""
+    load = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('tome_pack', {str(ROOT / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(ROOT)!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['tome_pack'] = m\n"
+        "spec.loader.exec_module(m)\n")
+    env = {**os.environ, "PYTHONPATH": STUB}
+    show = "print(sorted(m.NODE_CLASS_MAPPINGS), sys.modules['tome'].__file__)"
+    return subprocess.run([sys.executable, "-c", code + load + show],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_repository_loads_as_a_custom_node_pack(tmp_path):
+    done = _load_pack("", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "['ToMeMeasure', 'ToMeTokenMerging']" in done.stdout
+    assert str(ROOT / "tome" / "__init__.py") in done.stdout
+    other = tmp_path / "tome"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    done = _load_pack("import sys; sys.path.insert(0, '.'); import tome\n", tmp_path)
+    assert done.returncode != 0 and "was imported from" in done.stderr
+
+
+def test_pyproject_has_the_registry_table():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    comfy_table = data["tool"]["comfy"]
+    assert comfy_table["PublisherId"] and comfy_table["DisplayName"]
+    assert "comfyui" not in data["project"]["name"].lower()  # a registry rule
+    assert data["project"]["dependencies"] == ["torch>=2.0"]  # nothing ComfyUI lacks
+
+
+def test_the_example_workflow_matches_the_nodes():
+    graph = json.loads((ROOT / "docs" / "comfyui-workflow.json").read_text())
+    for node in graph.values():
+        cls = nodes.NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if cls is None:
+            continue
+        spec = cls.INPUT_TYPES()
+        declared = {n for part in spec.values() for n in part}
+        assert set(node["inputs"]) == declared, node["class_type"]
+        if cls is nodes.ToMePatch:
+            values = {k: v for k, v in node["inputs"].items() if k != "model"}
+            assert inputs.config(values) == ToMeConfig(policy="auto")

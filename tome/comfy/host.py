@@ -1,0 +1,75 @@
+"""What ComfyUI is and does, for the node pack: the only module of the layer that imports
+ComfyUI's own modules (``folder_paths``, ``comfy.utils``, ``comfy.model_management``), always
+inside a function, so the layer imports (and its tests run) without ComfyUI.
+
+- ``console``: the one voice (one line per event, ``print`` as ComfyUI's nodes do);
+- ``cache_path`` and ``measuring_service``: one measuring service per process, its cache file
+  under ComfyUI's user directory (``<user>/tome/measurements.json``);
+- ``progress``: ComfyUI's progress bar while measuring;
+- ``load_for_sampling``: the model on its sampling device before the measure node times it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..measurements import MeasurementCache, Measurer, default_cache_path
+
+
+def console(line: str) -> None:
+    print(line, flush=True)
+
+
+def cache_path() -> Path:
+    """``$TOME_CACHE_DIR`` if set, else ``<ComfyUI user dir>/tome/measurements.json``, else the
+    library's default."""
+    if os.environ.get("TOME_CACHE_DIR"):
+        return default_cache_path()
+    try:
+        import folder_paths
+        user = folder_paths.get_user_directory()
+    except (ImportError, AttributeError):
+        return default_cache_path()
+    return Path(user) / "tome" / "measurements.json" if user else default_cache_path()
+
+
+_bars: list[Any] = []
+
+
+def progress(text: str | None) -> None:
+    """The measuring service's progress hook: a one-step ComfyUI progress bar on the node that
+    is running (the sampler) while a size is measured; best effort."""
+    try:
+        import comfy.utils
+        if text is not None:
+            bar = comfy.utils.ProgressBar(1)
+            bar.update_absolute(0)
+            _bars[:] = [bar]
+        elif _bars:
+            _bars.pop().update_absolute(1)
+    except Exception:  # noqa: BLE001,S110 (a progress bar must never fail a sampling run)
+        pass
+
+
+_services: list[Measurer] = []
+
+
+def measuring_service() -> Measurer:
+    """The process's one measuring service, shared by every ToMe node and the measure node."""
+    if not _services:
+        _services.append(Measurer(MeasurementCache(cache_path(), say=console), say=console,
+                                  progress=progress))
+    return _services[0]
+
+
+def load_for_sampling(model_patcher: Any) -> Any:
+    """Load the patcher's model on its sampling device as sampling does; that device (None
+    where ComfyUI does not answer: the measurement then says where the UNet is)."""
+    try:
+        import comfy.model_management as mm
+        mm.load_models_gpu([model_patcher])
+    except Exception:  # noqa: BLE001 (not loaded: measuring says so in its line)
+        return None
+    return getattr(model_patcher, "load_device", None)

@@ -1,0 +1,73 @@
+"""The ToMe node's inputs, generated from ``ToMeConfig``'s field metadata (label, help,
+range, choices), and the one way back from the node's values to a ``ToMeConfig``.
+
+ComfyUI's classic node API: ``INPUT_TYPES`` answers ``{"required": {name: (TYPE, options)},
+"optional": {...}}``; a combo is ``(list_of_choices, options)``. ComfyUI refuses a graph whose
+numbers are outside ``min``/``max`` (HTTP 400 from ``/prompt``); what a range cannot say (the
+ratio's limit depends on the stride) is ``ToMeConfig``'s error when the node runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import AUTO, FIELDS, MAX_STRIDE, PRESETS, ToMeConfig, choices, preset, ratio_limit
+
+CUSTOM = "custom"
+PRESET_CHOICES = (CUSTOM, *PRESETS)
+# The node's defaults: the library's, except the policy (auto: never slower than without).
+DEFAULT = ToMeConfig(policy="auto")
+# In the node's order; the advanced ones are optional inputs (ComfyUI shows them all).
+MAIN = ("method", "ratio", "downsample_factor", "max_downsample", "sx", "sy", "use_rand",
+        "seed", "start", "end", "policy")
+ADVANCED = ("merge_crossattn", "merge_mlp", "matching", "share")
+# What a preset leaves to the node: the seed of the random destinations.
+PRESET_KEEPS = ("seed",)
+SEED_MAX = 0xFFFFFFFFFFFFFFFF  # as ComfyUI's samplers
+PRESET_HELP = ("Named settings (" + "; ".join(
+    f"{k}: " + ", ".join(f"{n} {v}" for n, v in values.items())
+    for k, values in PRESETS.items()) + "). A preset replaces every input below except the "
+    "seed; custom uses the inputs as set.")
+
+
+def spec(name: str) -> tuple:
+    """One input's ComfyUI spec from the field's metadata."""
+    f, default = FIELDS[name], getattr(DEFAULT, name)
+    meta = f.metadata
+    tip = f"{meta['help']}"
+    if "choices" in meta:
+        values = [str(c) for c in choices(name)]
+        shown = AUTO if default is None else str(default)
+        return values, {"default": shown, "tooltip": tip}
+    if isinstance(default, bool):
+        return "BOOLEAN", {"default": default, "tooltip": tip}
+    if isinstance(default, int):
+        top = SEED_MAX if name == "seed" else meta.get("maximum", SEED_MAX)
+        return "INT", {"default": default, "min": meta.get("minimum", 0), "max": top,
+                       "step": meta.get("step", 1), "tooltip": tip}
+    top = meta.get("maximum", ratio_limit(MAX_STRIDE, MAX_STRIDE) if name == "ratio" else 1.0)
+    top = math.floor(top * 1e4) / 1e4  # never above the real limit
+    return "FLOAT", {"default": default, "min": meta.get("minimum", 0.0), "max": top,
+                     "step": meta.get("step", 0.01), "round": False, "tooltip": tip}
+
+
+def input_types() -> dict[str, dict[str, tuple]]:
+    required: dict[str, tuple] = {
+        "model": ("MODEL", {"tooltip": "The model to merge tokens in (never changed itself: "
+                                       "the output is a patched clone)."}),
+        "preset": (list(PRESET_CHOICES), {"default": CUSTOM, "tooltip": PRESET_HELP}),
+    }
+    required.update({name: spec(name) for name in MAIN})
+    return {"required": required, "optional": {name: spec(name) for name in ADVANCED}}
+
+
+def config(values: dict[str, Any]) -> ToMeConfig:
+    """The ``ToMeConfig`` of the node's values (``ValueError`` naming the setting otherwise).
+    Unknown names raise: a graph from another version of the pack says so."""
+    values = dict(values)
+    key = str(values.pop("preset", CUSTOM)).strip().lower()
+    if key != CUSTOM:
+        kept = {k: values[k] for k in PRESET_KEEPS if k in values}
+        return ToMeConfig.from_dict(kept, base=preset(key))
+    return ToMeConfig.from_dict(values, base=DEFAULT)

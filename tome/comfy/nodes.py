@@ -1,0 +1,154 @@
+"""The node pack: "ToMe (Token Merging)" (MODEL -> MODEL) and "ToMe Measure" (MODEL -> the
+measured speed-ups as a table and a plot). ComfyUI's classic node API, which every ComfyUI in
+use loads: ``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``, ``CATEGORY``.
+
+The patch node speaks the ModelPatcher adapter (``tome.patcher``) on a clone: the input MODEL
+is never changed, and a node that fails leaves no patch. What it says goes to the console, one
+line per event (``host.console``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from .. import patcher, policy
+from ..config import ToMeConfig
+from ..layout import UnsupportedModelError
+from . import host, inputs, measure_node
+
+CATEGORY = "model_patches/unet"
+DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
+GUARD_KEY = "tome"
+PASSES = "the model passes through unchanged"
+IGNORED = ("merge_crossattn", "merge_mlp")  # the patcher reaches only self-attention
+
+
+class SamplingGuard:
+    """A ComfyUI ``diffusion_model`` wrapper on our clone (clones made after ours inherit it):
+    at every UNet call it sees the patches of the patcher that actually samples. It drops the
+    patches of another token merging added after ours (ComfyUI's built-in ``TomePatchModel``),
+    so tokens are never merged twice, and keeps ``view`` (what ``patcher.patch_unet`` reads
+    as the sampling patcher) current, so blocks whose attn1 another node replaces (Self-Attention
+    Guidance, PAG) are left alone."""
+
+    def __init__(self, say: Callable[[str], Any]):
+        self.say, self.told = say, False
+        self.view = SimpleNamespace(model_options={"transformer_options": {}})
+
+    def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+        positional = len(args) > 5  # UNetModel.forward(x, timesteps, context, y, control, to)
+        options = args[5] if positional else kwargs.get("transformer_options")
+        if isinstance(options, dict):
+            options = self._without_tomesd(options)
+            self.view.model_options = {"transformer_options": options}
+            if positional:
+                args[5] = options
+            else:
+                kwargs["transformer_options"] = options
+        return executor(*args, **kwargs)
+
+    def _without_tomesd(self, options: dict) -> dict:
+        patches = options.get("patches") or {}
+        lists = {name: patches[name] for name in patcher.ATTN1_LISTS if name in patches}
+        if not any(patcher.is_tomesd(fn) for fns in lists.values() for fn in fns):
+            return options
+        if not self.told:
+            self.told = True
+            self.say("ToMe: another token merging (ComfyUI's built-in TomePatchModel) was "
+                     "added after this ToMe node; it is ignored so tokens are never merged "
+                     "twice")
+        kept = {name: [fn for fn in fns if not patcher.is_tomesd(fn)]
+                for name, fns in lists.items()}
+        return {**options, "patches": {**patches, **kept}}
+
+
+def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] = host.console) -> Any:
+    """``model`` (a ComfyUI ``ModelPatcher``) with token merging: a patched clone, or
+    ``model`` itself where nothing is merged (a DiT, settings that merge nothing), with one
+    console line saying why. Token merging already on the model (an earlier ToMe node, or
+    ComfyUI's built-in ``TomePatchModel``) is taken over: removed from the clone, with a line."""
+    ignored = [name for name in IGNORED if getattr(config, name)]
+    if ignored:
+        say(f"ToMe: {', '.join(ignored)} do nothing in ComfyUI (its patch points reach only "
+            "self-attention)")
+    base = model
+    ours, foreign = patcher.carried(model)
+    if ours or foreign:
+        base = model.clone()
+        patcher.strip(base, lambda fn: patcher.is_ours(fn) or patcher.is_tomesd(fn))
+        what = "an earlier ToMe node's patch" if ours else ""
+        if foreign:
+            what += (" and " if what else "") + "ComfyUI's built-in TomePatchModel"
+        say(f"ToMe: the model already carried {what}; this node replaces it, so tokens are "
+            "never merged twice")
+    guard = SamplingGuard(say)
+    service = host.measuring_service() if config.policy == "auto" else None
+    try:
+        clone, report = patcher.patch_unet(base, config, lambda: guard.view, service)
+    except UnsupportedModelError as e:
+        say(f"{e}; {PASSES}")
+        return model
+    if report.nothing:
+        say(f"{report.nothing}; {PASSES}")
+        return model
+    if hasattr(clone, "add_wrapper_with_key"):
+        clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
+    if config.policy == "auto":
+        report.planner.on_decided = lambda size, decisions: say(
+            f"ToMe auto: {policy.summary(decisions, size)}")
+    say(report.summary())
+    return clone
+
+
+class ToMePatch:
+    """MODEL -> MODEL with token merging (ToMe) or ToDo in the UNet's self-attention."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    DESCRIPTION = ("Token Merging for SD1.x, SD2.x and SDXL UNets: each step is faster, the "
+                   "image changes a little. The input model is not changed. DiT models (Flux, "
+                   "SD3, ...) pass through unchanged. To merge only in a second (hires) "
+                   "sampler, put this node only on that sampler's model.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:  # noqa: N802 (ComfyUI's name)
+        return inputs.input_types()
+
+    def patch(self, model: Any, **values: Any) -> tuple[Any]:
+        return (apply(model, inputs.config(values)),)
+
+
+class ToMeMeasure:
+    """MODEL -> how much faster each level runs merged, per method and size: a table (STRING)
+    and a plot (IMAGE). The results are the auto policy's cache: generations reuse them."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("STRING", "IMAGE")
+    RETURN_NAMES = ("table", "plot")
+    FUNCTION = "measure"
+    OUTPUT_NODE = True
+    DESCRIPTION = ("Times each UNet level merged and unmerged on this machine, at the given "
+                   "square image sizes, with each method; the auto policy merges a level from "
+                   f"{1 + policy.MARGIN:.2f}x.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:  # noqa: N802 (ComfyUI's name)
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The model to time (its UNet, on its device)."}),
+            "sizes": ("STRING", {"default": measure_node.SIZES, "tooltip": (
+                "Square image sizes in px, comma-separated (multiples of 8).")}),
+        }}
+
+    def measure(self, model: Any, sizes: str) -> dict:
+        text, image = measure_node.run(model, measure_node.parse_sizes(sizes),
+                                       host.measuring_service(), host.load_for_sampling)
+        return {"ui": {"text": [text]}, "result": (text, image)}
+
+
+NODE_CLASS_MAPPINGS = {"ToMeTokenMerging": ToMePatch, "ToMeMeasure": ToMeMeasure}
+NODE_DISPLAY_NAME_MAPPINGS = {"ToMeTokenMerging": "ToMe (Token Merging)",
+                              "ToMeMeasure": "ToMe Measure"}
