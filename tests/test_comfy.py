@@ -4,6 +4,7 @@ and blocks, the DiT call form, the built-in TomePatchModel, progress bar, user d
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -110,6 +111,8 @@ def test_clones_share_one_patch():
     (patch,), _ = mp.carried(ours)
     (copied,), _ = mp.carried(ours.clone())
     assert copied is patch
+    guard = ours.wrappers[nodes.DIFFUSION_MODEL][nodes.GUARD_KEY][0]
+    assert copy.deepcopy(guard) is guard
 
 
 def test_a_dit_passes_through_with_one_line(lines):

@@ -37,6 +37,9 @@ class SamplingGuard:
         self.say, self.told = say, False
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
 
+    def __deepcopy__(self, memo: dict) -> SamplingGuard:
+        return self  # one guard per node run, whatever copies the options it sits in
+
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
         args = list(args)
         positional = len(args) > 5  # UNetModel.forward(x, timesteps, context, y, control, to)
