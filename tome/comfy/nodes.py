@@ -68,11 +68,12 @@ class SamplingGuard:
         return {**options, "patches": {**patches, **kept}}
 
 
-def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] = host.console) -> Any:
+def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = None) -> Any:
     """``model`` (a ComfyUI ``ModelPatcher``) with token merging: a patched clone, or
     ``model`` itself where nothing is merged (a DiT, settings that merge nothing), with one
     console line saying why. Token merging already on the model (an earlier ToMe node, or
     ComfyUI's built-in ``TomePatchModel``) is taken over: removed from the clone, with a line."""
+    say = say or host.console
     ignored = [name for name in IGNORED if getattr(config, name)]
     if ignored:
         say(f"ToMe: {', '.join(ignored)} do nothing in ComfyUI (its patch points reach only "
