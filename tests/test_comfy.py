@@ -79,6 +79,8 @@ def test_inputs_come_from_the_config_metadata():
     assert inputs.config(defaults(preset="fast", ratio=0.1, seed=7)).replace(seed=0) == \
         ToMeConfig(method="downsample", downsample_factor=4, max_downsample=2, policy="auto")
     assert inputs.config(defaults(preset="fast", seed=7)).seed == 7
+    # no "control after generate" widget: re-queueing must not change the destinations
+    assert spec["required"]["seed"][1]["control_after_generate"] is False
 
 
 def test_clone_merges_reproducibly_and_the_input_is_untouched(lines):

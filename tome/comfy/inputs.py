@@ -44,8 +44,14 @@ def spec(name: str) -> tuple:
         return "BOOLEAN", {"default": default, "tooltip": tip}
     if isinstance(default, int):
         top = SEED_MAX if name == "seed" else meta.get("maximum", SEED_MAX)
-        return "INT", {"default": default, "min": meta.get("minimum", 0), "max": top,
-                       "step": meta.get("step", 1), "tooltip": tip}
+        options = {"default": default, "min": meta.get("minimum", 0), "max": top,
+                   "step": meta.get("step", 1), "tooltip": tip}
+        if name == "seed":
+            # The frontend gives any input named "seed" a "control after generate" widget set
+            # to randomize, which would change the destinations at every queued run: the same
+            # settings must give the same image, so none (the frontend reads this option).
+            options["control_after_generate"] = False
+        return "INT", options
     top = meta.get("maximum", ratio_limit(MAX_STRIDE, MAX_STRIDE) if name == "ratio" else 1.0)
     top = math.floor(top * 1e4) / 1e4  # never above the real limit
     return "FLOAT", {"default": default, "min": meta.get("minimum", 0.0), "max": top,
