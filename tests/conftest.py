@@ -28,6 +28,13 @@ def sd15():
 
 
 @pytest.fixture(scope="module")
+def dif():
+    """A tiny diffusers UNet with SD1.5's layout, random weights."""
+    from models import diffusers_unet
+    return diffusers_unet("sd15")
+
+
+@pytest.fixture(scope="module")
 def inputs():
     """(x, t, context) for ``sd15``: batch 2, a 32x32 latent."""
     from models import ldm_inputs

@@ -30,16 +30,6 @@ def measure(*args, **kwargs):
     return M.measure(*args, runner=run_block, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def ldm():
-    return ldm_unet(TINY_SD15)
-
-
-@pytest.fixture(scope="module")
-def dif():
-    return diffusers_unet("sd15")
-
-
 def row(unmerged, merged, level=1):
     return M.LevelTiming(level, 4096, 1, 1, unmerged, merged)
 
@@ -55,7 +45,7 @@ def test_decide_needs_the_margin():
     assert not M.decide(row(1.06, 1.0), margin=0.1)
 
 
-def test_fake_clock_decisions_and_accounting(ldm):
+def test_fake_clock_decisions_and_accounting(sd15):
     """Per level: blocks x block time unmerged; plans x build + blocks x merged time merged.
     The tiny SD1.5 has 5 blocks at ds1/2/4 (2 encoder, 3 decoder) and 1 at ds8 (middle)."""
     ms = 1e-3
@@ -63,7 +53,7 @@ def test_fake_clock_decisions_and_accounting(ldm):
                        10.6 * ms, 0.0, 10 * ms,      # ds2: 1.06x: merged
                        10 * ms, 5 * ms, 4 * ms,      # ds4: 50 / (2*5 + 5*4) = 1.67x
                        1 * ms, 1 * ms, 0.1 * ms])    # ds8: 1 / (1 + 0.1): slower
-    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, warmup=0, clock=clock,
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=1, warmup=0, clock=clock,
                   levels=[8, 4, 2, 1])
     assert clock.calls == 12
     assert [(r.level, r.tokens, r.blocks, r.plans) for r in m.rows] == \
@@ -79,33 +69,33 @@ def test_fake_clock_decisions_and_accounting(ldm):
     assert [line.split()[-1] for line in lines[2:]] == ["no", "yes", "yes", "no"]
 
 
-def test_stops_early_only_when_the_decision_is_clear(ldm):
+def test_stops_early_only_when_the_decision_is_clear(sd15):
     """After ``min_rounds`` a level stops once every round lands clearly on one side of the
     margin; near the margin it takes every round."""
     ms = 1e-3
     clear = FakeClock([10 * ms, 0.0, 5 * ms] * 5)         # 2x every round: 3 rounds
-    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clear, levels=[8])
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clear, levels=[8])
     assert clear.calls == 9 and m.rows[0].speedup == pytest.approx(2.0)
     costs = FakeClock([5 * ms, 0.0, 6 * ms] * 5)          # 0.83x every round: 3 rounds
-    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=costs, levels=[8])
+    measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=costs, levels=[8])
     assert costs.calls == 9
     barely = FakeClock([10 * ms, 0.0, 10.2 * ms] * 5)     # 0.98x: all 5 rounds
-    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=barely, levels=[8])
+    measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=barely, levels=[8])
     assert barely.calls == 15
     near = FakeClock([10.8 * ms, 0.0, 10 * ms] * 5)       # 1.08x: all 5 rounds
-    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=near, levels=[8])
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=near, levels=[8])
     assert near.calls == 15 and m.merged_levels() == (8,)
     mixed = FakeClock([20 * ms, 0.0, 10 * ms, 9 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms,
                        20 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms])
-    measure(ldm, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
+    measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
     assert mixed.calls == 15  # one slow round keeps it going
 
 
-def test_a_block_another_extension_took_over_stands_for_nothing(ldm):
+def test_a_block_another_extension_took_over_stands_for_nothing(sd15):
     """ControlNet reference / SAG replace forwards on instances: measuring uses the first block
     left alone; a level with none left gets no row (the thresholds decide it)."""
     by_level: dict[int, list] = {}
-    for b, lv in read_layout(ldm).level_of.items():
+    for b, lv in read_layout(sd15).level_of.items():
         by_level.setdefault(lv, []).append(b)
 
     def taken(*args, **kwargs):
@@ -115,26 +105,26 @@ def test_a_block_another_extension_took_over_stands_for_nothing(ldm):
         m.forward = taken
     try:
         assert M.representative(by_level[1], ["attn1"]) is by_level[1][2]
-        m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 8])
+        m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 8])
         assert [r.level for r in m.rows] == [1] and m.rows[0].blocks == 5
     finally:
         for m in shadowed:
             del m.forward
 
 
-def test_fastest_runs_and_plan_counts(ldm):
+def test_fastest_runs_and_plan_counts(sd15):
     """Each of unmerged, plan build and merged is its fastest run (disturbances only add)."""
     ms = 1e-3
     # Three rounds of the ds8 block (one block, one plan): fastest 5, 0 and 2 ms.
     clock = FakeClock([5 * ms, 1 * ms, 2 * ms, 50 * ms, 9 * ms, 3 * ms, 6 * ms, 0.0, 4 * ms])
-    m = measure(ldm, LATENT, 2, ToMeConfig(), rounds=3, warmup=1, clock=clock, levels=[8])
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=3, warmup=1, clock=clock, levels=[8])
     assert clock.calls == 9
     assert m.rows[0].unmerged_ms == pytest.approx(5) and m.rows[0].merged_ms == pytest.approx(2)
     zero = FakeClock([0.0] * 30)
     # One plan per block with share="block"; one per grid for ToDo.
-    assert measure(ldm, LATENT, 2, ToMeConfig(share="block"), rounds=1, clock=zero,
+    assert measure(sd15, LATENT, 2, ToMeConfig(share="block"), rounds=1, clock=zero,
                      levels=[1]).rows[0].plans == 5
-    assert measure(ldm, LATENT, 2, ToMeConfig(method="downsample"), rounds=1, clock=zero,
+    assert measure(sd15, LATENT, 2, ToMeConfig(method="downsample"), rounds=1, clock=zero,
                      levels=[1]).rows[0].plans == 1
 
 
@@ -155,8 +145,8 @@ def test_default_levels():
 # ----------------------------------------------------------------------------- the real clock
 
 @pytest.mark.parametrize("family", ["ldm", "diffusers"])
-def test_real_clock_table(family, ldm, dif):
-    unet = ldm if family == "ldm" else dif
+def test_real_clock_table(family, sd15, dif):
+    unet = sd15 if family == "ldm" else dif
     m = measure(unet, LATENT, 2, ToMeConfig(), rounds=1, levels=[1, 2, 4, 8])
     assert [r.level for r in m.rows] == [1, 2, 4, 8]
     assert all(r.unmerged_ms > 0 and r.merged_ms > 0 and r.speedup > 0 for r in m.rows)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from models import TINY_SD15, TINY_SDXL, diffusers_unet, ldm_unet
+from models import TINY_SD15, TINY_SDXL, ldm_unet
 
 from tome import measure as M
 from tome import measurements as C
@@ -18,38 +18,24 @@ from tome.config import ToMeConfig
 LATENT = (16, 16)
 
 
-@pytest.fixture(scope="module")
-def ldm():
-    return ldm_unet(TINY_SD15)
-
-
-@pytest.fixture(scope="module")
-def dif():
-    return diffusers_unet("sd15")
-
-
-def row(unmerged, merged, level=1):
-    return M.LevelTiming(level, 4096, 1, 1, unmerged, merged)
-
-
 # ----------------------------------------------------------------------------- cache keys
 
-def test_cache_key_parts(ldm, dif, monkeypatch):
+def test_cache_key_parts(sd15, dif, monkeypatch):
     c = ToMeConfig()
-    key = C.cache_key(ldm, LATENT, 2, c)
-    same = [C.cache_key(ldm, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
+    key = C.cache_key(sd15, LATENT, 2, c)
+    same = [C.cache_key(sd15, LATENT, 2, c.replace(seed=7, start=0.2, end=0.9, policy="auto",
                                                   use_rand=False)),
             C.cache_key(ldm_unet(TINY_SD15, seed=5), LATENT, 2, c)]  # other weights
     assert all(k == key for k in same)
-    other = [C.cache_key(ldm, (16, 24), 2, c), C.cache_key(ldm, LATENT, 1, c),
-             C.cache_key(copy.deepcopy(ldm).to(torch.bfloat16), LATENT, 2, c),
+    other = [C.cache_key(sd15, (16, 24), 2, c), C.cache_key(sd15, LATENT, 1, c),
+             C.cache_key(copy.deepcopy(sd15).to(torch.bfloat16), LATENT, 2, c),
              C.cache_key(dif, LATENT, 2, c),
              C.cache_key(ldm_unet({**TINY_SD15, "num_heads": 4}), LATENT, 2, c),
-             C.cache_key(ldm, LATENT, 2, c.replace(method="downsample")),
-             C.cache_key(ldm, LATENT, 2, c.replace(ratio=0.3)),
-             C.cache_key(ldm, LATENT, 2, c.replace(max_downsample=2))]
+             C.cache_key(sd15, LATENT, 2, c.replace(method="downsample")),
+             C.cache_key(sd15, LATENT, 2, c.replace(ratio=0.3)),
+             C.cache_key(sd15, LATENT, 2, c.replace(max_downsample=2))]
     monkeypatch.setattr(C, "device_name", lambda device: "Some Other CPU")
-    other.append(C.cache_key(ldm, LATENT, 2, c))
+    other.append(C.cache_key(sd15, LATENT, 2, c))
     assert len({k.digest for k in [key, *other]}) == len(other) + 1
     parts = key.parts
     assert parts["latent"] == [16, 16] and parts["batch"] == 2 and parts["dtype"] == "float32"
@@ -59,15 +45,16 @@ def test_cache_key_parts(ldm, dif, monkeypatch):
     assert C.cache_key(dif, LATENT, 2, c).parts["attention"].startswith("AttnProcessor")
 
 
-def test_fingerprint_is_architecture_only(ldm, dif):
-    assert C.fingerprint(ldm) == C.fingerprint(ldm_unet(TINY_SD15, seed=3))
-    assert len({C.fingerprint(u) for u in (ldm, dif, ldm_unet(TINY_SDXL))}) == 3
+def test_fingerprint_is_architecture_only(sd15, dif):
+    assert C.fingerprint(sd15) == C.fingerprint(ldm_unet(TINY_SD15, seed=3))
+    assert len({C.fingerprint(u) for u in (sd15, dif, ldm_unet(TINY_SDXL))}) == 3
 
 
 # ----------------------------------------------------------------------------- the cache
 
 def _measurement(latent=(16, 16)):
-    return M.Measurement("Test CPU", "float32", latent, 2, "merge", (row(2.0, 1.0),))
+    row = M.LevelTiming(1, 4096, 1, 1, 2.0, 1.0)
+    return M.Measurement("Test CPU", "float32", latent, 2, "merge", (row,))
 
 
 def _key(latent=(16, 16)):
