@@ -240,5 +240,8 @@ def read(model: Any) -> Layout:
 
 
 def find_unet(model: Any) -> nn.Module:
-    """The UNet of an ldm/sgm model, a diffusers pipeline, or a bare UNet."""
-    return read(model).root
+    """The UNet of an ldm/sgm model, a diffusers pipeline, or a bare UNet, without reading
+    its blocks (removing a patch and looking one up need no more); anything else raises the
+    one message (``read``)."""
+    net = denoiser(model)
+    return net if net is not None and _reader(net) is not None else read(model).root

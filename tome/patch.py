@@ -74,7 +74,7 @@ def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method
 
 def remove_tomesd(model: Any) -> bool:
     """Undo a tomesd patch in place (what ``tomesd.remove_patch`` does), without importing it."""
-    root = model if isinstance(model, nn.Module) else _layout.read(model).root
+    root = model if isinstance(model, nn.Module) else _layout.find_unet(model)
     found = False
     for m in root.modules():
         info = vars(m).get("_tome_info")
@@ -301,7 +301,7 @@ def remove(model: Any) -> Any:
 
 def _patched_unet(model: Any) -> nn.Module:
     """The module that carries our state: ``model`` itself if it does, else its UNet."""
-    return model if hasattr(model, STATE_ATTR) else _layout.read(model).root
+    return model if hasattr(model, STATE_ATTR) else _layout.find_unet(model)
 
 
 def state_of(model: Any) -> _State | None:

@@ -133,7 +133,7 @@ class Planner:
         or (when this size is still to be measured) right after measuring, at the first call.
         The decisions are the ones the blocks then use."""
         size = tuple(size)
-        if self.on_decided is None or (size, kind) in self._told or merge.compiling() \
+        if self.on_decided is None or merge.compiling() or (size, kind) in self._told \
                 or (self.measurer is not None and size not in self.measured):
             return
         self._told.add((size, kind))
