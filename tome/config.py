@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import methods
+from . import dit, methods
 
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
@@ -89,6 +89,15 @@ class ToMeConfig:
         "Downsample factor", "ToMe downsample factor",
         "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
         minimum=1, maximum=MAX_STRIDE, step=1))
+    rope: str = field(default="pooled", metadata=_meta(
+        "DiT RoPE", "ToMe rope",
+        "DiTs with rotary positions (Flux): pooled: keys and positions are pooled, each pooled "
+        "key gets its cell's mean position; before: keys are rotated by their own positions, "
+        "then pooled.", choices=dit.ROPES))
+    blocks: str = field(default="all", metadata=_meta(
+        "DiT blocks", "ToMe blocks",
+        "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks "
+        "only) or a range of block indices such as 0-18 (double-stream blocks count first)."))
     matching: str = field(default="global", metadata=_meta(
         "Matching", "ToMe matching",
         "global: every source may merge into any destination (as tomesd). local: only into "
@@ -136,6 +145,12 @@ class ToMeConfig:
         check_ratio("ratio", self.ratio, self.sx, self.sy)
         if self.max_downsample is not None and self.max_downsample not in MAX_DOWNSAMPLES:
             fail("max_downsample", f"must be one of {MAX_DOWNSAMPLES} or None (auto)")
+        if self.rope not in dit.ROPES:
+            fail("rope", f"must be one of {dit.ROPES}")
+        try:
+            dit.parse_blocks(self.blocks)
+        except ValueError as e:
+            fail("blocks", str(e))
         if self.matching not in MATCHINGS:
             fail("matching", f"must be one of {MATCHINGS}")
         if self.share not in SHARES:

@@ -37,11 +37,13 @@ class UnsupportedModelError(TypeError):
 def not_supported(name: str, found: bool = True) -> UnsupportedModelError:
     """The one message for a model ToMe cannot merge; ``found``: a denoiser was found in it
     (else what was expected is said too)."""
-    text = (f"ToMe: {name} has no UNet transformer blocks to merge (ToMe merges SD1, SD2 and "
-            "SDXL UNets; not DiTs such as SD3 or Flux, nor compiled or replaced UNets)")
+    text = (f"ToMe: {name} has no UNet transformer blocks to merge and is not a DiT it can "
+            "pool (ToMe merges SD1, SD2 and SDXL UNets and pools image keys/values in Flux and "
+            "SD3 DiTs; not other DiTs such as Qwen-Image, Wan or Lumina, nor compiled or "
+            "replaced models)")
     if not found:
         text += ("; expected an ldm/sgm model (.model.diffusion_model), a diffusers pipeline "
-                 "(.unet) or the UNet itself")
+                 "(.unet, .transformer) or the UNet or transformer itself")
     return UnsupportedModelError(text)
 
 
@@ -53,6 +55,18 @@ class Block:
     module: nn.Module
     level: int           # downsample of the latent grid its tokens form (0: not known)
     decoder: bool        # on the upsampling side (it gets its own plans)
+    kind: str = "unet"   # DiTs: "double" (double-stream / joint) or "single" (single-stream)
+
+
+@dataclass(frozen=True)
+class Dit:
+    """What a DiT adds to its blocks: where its image tokens are and how its calls look."""
+
+    patch: int              # latent pixels per token side: the DiT's one level
+    text_first: bool        # the joint sequence is [text, image] (Flux) or [image, text] (SD3)
+    text_tokens: int        # the text length its pipelines use (what measuring feeds it)
+    timestep_scale: float   # its timestep times this is on the 0..1000 training scale
+    rope: bool              # rotary positions inside attention (Flux) or none (SD3)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,12 @@ class Layout:
     root: nn.Module              # the UNet: where a patch keeps its state
     blocks: tuple[Block, ...]    # in the UNet's order: encoder, middle, decoder
     context_keyword: str         # the sub-layers' keyword for the context
+    dit: Dit | None = None       # set for DiTs (Flux, SD3): their blocks are pooled, not merged
+
+    @property
+    def kind(self) -> str:
+        """``"UNet"`` or ``"DiT"``: what the report and the console call the model."""
+        return "UNet" if self.dit is None else "DiT"
 
     @property
     def levels(self) -> list[int]:
@@ -109,11 +129,16 @@ def context_keyword(block: nn.Module) -> str:
     return "context" if family(block) in ("ldm", "sgm") else "encoder_hidden_states"
 
 
+def attention(block: nn.Module) -> nn.Module:
+    """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks."""
+    return getattr(block, "attn1", None) or block.attn
+
+
 def channels(block: nn.Module) -> int:
     """The width of a transformer block's tokens."""
     norm = getattr(block, "norm1", None)
     shape = getattr(norm, "normalized_shape", None)
-    return int(shape[0]) if shape else int(block.attn1.to_q.in_features)
+    return int(shape[0]) if shape else int(attention(block).to_q.in_features)
 
 
 def context_dim(block: nn.Module) -> int | None:
@@ -200,11 +225,52 @@ def read_diffusers(unet: nn.Module) -> Layout:
     return _layout(unet, parts)
 
 
+def _dit_layout(root: nn.Module, fam: str, double: Iterable[nn.Module],
+                single: Iterable[nn.Module], dit: Dit) -> Layout:
+    """A DiT's blocks in order, double-stream first, all at the one level ``dit.patch``."""
+    names = {m: n for n, m in root.named_modules()}
+    blocks = [Block(names.get(m, ""), m, dit.patch, False, "double") for m in double]
+    blocks += [Block(names.get(m, ""), m, dit.patch, False, "single") for m in single]
+    return Layout(fam, root, tuple(blocks), "encoder_hidden_states", dit)
+
+
+def read_flux(model: nn.Module) -> Layout:
+    """diffusers ``FluxTransformer2DModel``: ``transformer_blocks`` (double-stream) then
+    ``single_transformer_blocks``; [text, image] joint sequence; timesteps in [0, 1]."""
+    cfg = getattr(model, "config", None)
+    patch = 2 * int(getattr(cfg, "patch_size", 1) or 1)  # 2x2 latent packing by the pipeline
+    return _dit_layout(model, "diffusers flux", model.transformer_blocks,
+                       model.single_transformer_blocks, Dit(patch, True, 512, 1000.0, True))
+
+
+def read_sd3(model: nn.Module) -> Layout:
+    """diffusers ``SD3Transformer2DModel``: joint blocks; [image, text]; timesteps 0..1000."""
+    patch = int(getattr(model.config, "patch_size", 2))
+    return _dit_layout(model, "diffusers sd3", model.transformer_blocks, (),
+                       Dit(patch, False, 333, 1.0, False))
+
+
+def read_comfy_flux(model: nn.Module) -> Layout:
+    """ComfyUI's (and its stand-in's) Flux: ``double_blocks`` then ``single_blocks``, reached
+    through the attn1 patch's DiT call form; sigmas in [0, 1]."""
+    return _dit_layout(model, "comfy flux", model.double_blocks, model.single_blocks,
+                       Dit(2, True, 512, 1000.0, True))
+
+
+_DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3}
+
+
 def _reader(module: nn.Module):
     if hasattr(module, "input_blocks") and hasattr(module, "output_blocks"):
         return read_ldm
     if hasattr(module, "down_blocks") and hasattr(module, "up_blocks"):
         return read_diffusers
+    for cls in type(module).__mro__:
+        if cls.__name__ in _DIT_READERS:
+            return _DIT_READERS[cls.__name__]
+    if hasattr(module, "double_blocks") and hasattr(module, "single_blocks") \
+            and hasattr(module, "pe_embedder"):
+        return read_comfy_flux
     return None
 
 

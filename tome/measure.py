@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import memory, methods, policy
+from . import dit, memory, methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
-from .layout import Layout, UnsupportedModelError, channels, context_dim, read, unusable
+from .layout import Layout, UnsupportedModelError, attention, channels, context_dim, read, unusable
 from .policy import MARGIN
 
 CONTEXT_TOKENS = 77  # CLIP's context length: what attn2 sees in every SD model
@@ -273,7 +273,7 @@ def attention_backend(model: Any) -> str:
         blocks = [b.module for b in read(model).blocks]
     except UnsupportedModelError:
         return "none"
-    attn = blocks[0].attn1
+    attn = attention(blocks[0])
     processor = getattr(attn, "processor", None)
     if processor is not None:
         name = type(processor).__name__
@@ -346,11 +346,14 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     if rounds < 1 or warmup < 0:
         raise ValueError(f"ToMe: rounds must be >= 1 and warmup >= 0, not {rounds}, {warmup}")
     layout = read(model)
-    by_level, chosen = levels_to_measure(layout, config, levels)
-    decoder = {b.module for b in layout.blocks if b.decoder}
     # Seed, window and use_rand do not change the cost: build as a random-destination call would.
     cfg = config.replace(policy="fixed", start=0.0, end=1.0, use_rand=True)
     latent = (int(latent[0]), int(latent[1]))
+    if layout.dit is not None:
+        return _measure_dit(layout, latent, batch, cfg, config.method, runner, clock, rounds,
+                            warmup, min_rounds)
+    by_level, chosen = levels_to_measure(layout, config, levels)
+    decoder = {b.module for b in layout.blocks if b.decoder}
     subs = methods.get(config.method).sub_layers(cfg)
     reps = {level: representative(by_level[level], subs) for level in chosen}
     _check_memory(layout, latent, batch, reps)
@@ -359,15 +362,43 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
         if block is not None:
             rows.append(_time_level(block, by_level[level], decoder, level, latent, batch, cfg,
                                     runner, clock, rounds, warmup, min_rounds))
-    p = next(iter(b for b in reps.values() if b is not None), layout.root)
+    return _result(reps.values(), layout, latent, batch, config.method, rows)
+
+
+def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[int, int],
+            batch: int, method: str, rows: list[LevelTiming]) -> Measurement:
+    p = next(iter(b for b in blocks if b is not None), layout.root)
     p = next(p.parameters())
     return Measurement(device_name(p.device), str(p.dtype).removeprefix("torch."), latent,
-                       int(batch), config.method, tuple(rows))
+                       int(batch), method, tuple(rows))
+
+
+def _measure_dit(layout: Layout, latent: tuple[int, int], batch: int, cfg: ToMeConfig,
+                 method_name: str, runner: Runner, clock: Clock | None, rounds: int,
+                 warmup: int, min_rounds: int) -> Measurement:
+    """A DiT's one level (its patch size): one block of each kind the ``blocks`` setting
+    pools (double-stream and single-stream blocks cost differently) timed unpooled and
+    pooled, summed over the blocks of that kind."""
+    method, level = dit.method_for(cfg), layout.dit.patch
+    kinds: dict[str, list[nn.Module]] = {}
+    for i, b in enumerate(layout.blocks):
+        if method is not None and dit.selects(cfg.blocks, i, b.kind):
+            kinds.setdefault(b.kind, []).append(b.module)
+    reps = {k: representative(bs, ("attn",)) for k, bs in kinds.items()}
+    _check_memory(layout, latent, batch, dict.fromkeys([level], next(iter(reps.values()), None)))
+    parts = [_time_level(rep, kinds[k], set(), level, latent, batch, cfg, runner, clock,
+                         rounds, warmup, min_rounds, method)
+             for k, rep in reps.items() if rep is not None]
+    rows = [LevelTiming(level, parts[0].tokens, sum(r.blocks for r in parts), 1,
+                        sum(r.unmerged_ms for r in parts), sum(r.merged_ms for r in parts))
+            ] if parts else []
+    return _result(reps.values(), layout, latent, batch, method_name, rows)
 
 
 def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Module], level: int,
                 latent: tuple[int, int], batch: int, cfg: ToMeConfig, runner: Runner,
-                clock: Clock | None, rounds: int, warmup: int, min_rounds: int) -> LevelTiming:
+                clock: Clock | None, rounds: int, warmup: int, min_rounds: int,
+                method: methods.Method | None = None) -> LevelTiming:
     """One level's row. Each round times the block unmerged, the plan build (a fresh call, as
     in sampling) and the block merged, unmerged first in one round and last in the next. Each
     is the fastest of at most ``rounds`` after ``warmup`` untimed rounds: other work on the
@@ -385,7 +416,7 @@ def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Modul
     ctx = None
     if context_dim(block) is not None:
         ctx = torch.randn(batch, CONTEXT_TOKENS, context_dim(block), generator=g).to(device, dtype)
-    planner = _plan.Planner(cfg, level)
+    planner = _plan.Planner(cfg, level, method=method)
     t = torch.tensor(500.0, device=device)
     built: list[Any] = [None]
 

@@ -24,7 +24,7 @@ import torch
 
 from . import memory, methods
 from .config import ToMeConfig
-from .layout import channels, context_dim, denoiser, read
+from .layout import attention, channels, context_dim, denoiser, read
 from .measure import (
     Clock,
     Measurement,
@@ -43,6 +43,7 @@ FORMAT, VERSION = "tome-measurements", 2
 # end, policy and use_rand do not.
 KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_factor",
               "merge_attn", "merge_crossattn", "merge_mlp")
+DIT_FIELDS = ("rope", "blocks")  # and on DiTs (only there: UNet cache keys stay as they were)
 
 
 def fingerprint(model: Any) -> str:
@@ -50,8 +51,8 @@ def fingerprint(model: Any) -> str:
     channels, heads, context dim), never its weights: fine-tunes of one model share timings."""
     layout = read(model)
     unet = layout.root
-    blocks = [[b.level, b.decoder, channels(b.module), getattr(b.module.attn1, "heads", None),
-               context_dim(b.module)] for b in layout.blocks]
+    blocks = [[b.level, b.decoder, channels(b.module), getattr(attention(b.module), "heads", None),
+               context_dim(b.module)] + ([b.kind] if layout.dit else []) for b in layout.blocks]
     arch = {"class": f"{type(unet).__module__}.{type(unet).__qualname__}", "blocks": blocks}
     return hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -94,7 +95,7 @@ def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfi
         "latent": [int(latent[0]), int(latent[1])],
         "batch": int(batch),
         "levels": chosen,
-        "config": {f: getattr(config, f) for f in KEY_FIELDS
+        "config": {f: getattr(config, f) for f in KEY_FIELDS + (DIT_FIELDS if layout.dit else ())
                    if f not in methods.get(config.method).ignores},
     }
     return CacheKey.of(parts)

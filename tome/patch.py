@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import layout as _layout
-from . import methods
+from . import methods, processors
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, unusable
@@ -243,8 +243,10 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     through ``run_block``.
     """
     layout = _layout.read(model)
+    remove(layout.root)
+    if layout.dit is not None:  # Flux, SD3: the attention processors pool image keys/values
+        return processors.apply(model, layout, config, measurer)
     unet, method = layout.root, methods.get(config.method)
-    remove(unet)
     replaced = _tomesd_patched(unet)
     if replaced:
         remove_tomesd(unet)
@@ -292,6 +294,8 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
 def remove(model: Any) -> Any:
     """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone."""
     unet = _patched_unet(model)
+    if processors.remove(unet):
+        return model
     state = vars(unet).pop(STATE_ATTR, None)
     if state is not None:
         for handle in state.handles:

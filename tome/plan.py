@@ -81,10 +81,12 @@ class Planner:
 
     def __init__(self, config: ToMeConfig, max_downsample: int,
                  measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None,
-                 levels: list[int] | tuple[int, ...] = ()):
+                 levels: list[int] | tuple[int, ...] = (), method: methods.Method | None = None):
         self.config, self.max_downsample = config, max_downsample
         self.levels = sorted(levels)  # the model's levels that may merge (for ``announce``)
-        self.method = methods.get(config.method)
+        # The config's method, or its DiT form (``dit.DitPool``) on a DiT.
+        self.method = method or methods.get(config.method)
+        self.size: tuple[int, int] | None = None  # the latent size of the latest call
         # ``auto`` policy: ``measurer(size, batch, device) -> {level: (speed-up, device)}``,
         # asked once per latent size, in eager mode only (never while compiling a graph).
         self.measurer = measurer if config.policy == "auto" else None
@@ -106,7 +108,7 @@ class Planner:
         ``batch`` images; None when this step is outside the ``start``/``end`` window (the
         only place the timestep is read on the host). The first call at a new size measures
         first (``measurer``)."""
-        size = tuple(size)
+        size = self.size = tuple(size)
         self.prepare(size, batch, device)
         kind = policy.device_kind(device)
         self.announce(size, kind)

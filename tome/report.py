@@ -15,7 +15,9 @@ from typing import Any
 from . import methods
 from .config import ToMeConfig
 
-HOOKS, ATTN1_PATCH = "hooks", "attn1 patch"  # how a patch reaches the blocks
+# How a patch reaches the blocks: hooks (UNets), the attn1 patch (ModelPatcher), attention
+# processors (diffusers DiTs).
+HOOKS, ATTN1_PATCH, PROCESSORS = "hooks", "attn1 patch", "processors"
 
 TOMESD_REPLACED = ("ToMe: the model was patched by tomesd (e.g. the WebUI's built-in token "
                    "merging); that patch was removed so tokens are never merged twice")
@@ -36,7 +38,7 @@ class PatchReport:
     adapter: str = HOOKS
     planner: Any = field(default=None, repr=False)  # ``plan.Planner``: decisions, tokens
     unmergeable: str | None = None  # why the settings merge no level of this model
-
+    kind: str = "UNet"  # or "DiT": its blocks' image keys/values are pooled
     @property
     def patched_blocks(self) -> int:
         return sum(self.levels.values())
@@ -70,6 +72,10 @@ class PatchReport:
         """Hooks: ``5/16 blocks patched at downsample <= 1 (ds1: 5)``; the attn1 patch:
         ``ratio 0.5 at downsample <= 1``; plus the step window."""
         c = self.config
+        if self.kind == "DiT":
+            text = f"{self.patched_blocks}/{self.total_blocks} blocks pooled (blocks {c.blocks}"
+            return text + (f", rope {c.rope})" if "flux" in self.family else ")") \
+                + (f", steps {c.start:g}-{c.end:g}" if c.start > 0 or c.end < 1 else "")
         if self.adapter != HOOKS:
             return f"{methods.get(c.method).describe(c)} at downsample <= {self.max_downsample}"
         levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
@@ -80,7 +86,8 @@ class PatchReport:
         return text
 
     def summary(self) -> str:
-        text = (f"ToMe: {self.family} UNet, {methods.get(self.config.method).describe(self.config)}"
+        text = (f"ToMe: {self.family} {self.kind}, "
+                f"{methods.get(self.config.method).describe(self.config)}"
                 f"; {self.coverage()}")
         if self.skipped:
             text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"

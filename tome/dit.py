@@ -1,0 +1,162 @@
+"""DiT key/value pooling: the downsample method (ToDo) for Flux- and SD3-like transformers.
+
+In a DiT's joint attention every token (text and image) attends to every token. Pooling the
+*image* tokens' keys and values by ``factor`` per side (the mean of each ``factor x factor``
+cell of the token grid) cuts the attention's key length by about ``factor**2`` while queries
+and text tokens stay whole: every token still gets its own output, so there is nothing to
+unmerge, and any attention kernel runs the shorter keys.
+
+Rotary position embeddings (Flux, Qwen-Image; SD3 has none) are applied to queries and keys
+inside attention, so a pooled key needs a position. ``rope`` chooses how:
+
+- ``"before"``: every key is rotated by its own position first, then the rotated keys are
+  pooled (what the key would contribute on average over its cell);
+- ``"pooled"``: the raw keys are pooled and rotated by their cell's mean position. Neighbouring
+  tokens' angles differ by less than pi at every RoPE frequency, so the normalised mean of a
+  cell's rotations *is* the rotation by the cell's mean angle: pooling the embedding (cos/sin
+  pairs, or ComfyUI's 2x2 rotation matrices) and normalising gives the pooled positions exactly,
+  with no model code.
+
+``docs/quality.md`` measures which keeps the image closer. This module is pure tensor code:
+the adapters (``processors.py`` for diffusers, ``patcher.py`` for ComfyUI's DiT patch form)
+say where the image tokens sit in the joint sequence (``start``), the grid (``h x w``) and
+which layout the tensors have (``dim``: the sequence dimension).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import methods
+
+ROPES = ("before", "pooled")
+BLOCKS_HELP = "all, double (double-stream / joint blocks only) or a range of block indices 'a-b'"
+
+
+# ----------------------------------------------------------------------------- pooling
+
+def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int) -> torch.Tensor:
+    """``x`` with its ``h*w`` image tokens at ``[start, start + h*w)`` along ``dim`` replaced by
+    their ``factor x factor`` cell means (``ceil(h/f) * ceil(w/f)`` tokens; a partial cell at
+    the edge averages the tokens it has). Tokens before and after the span are kept as they
+    are. One pooling op plus reshapes and a concatenation; shapes depend only on the grid."""
+    n = h * w
+    img = x.narrow(dim, start, n)
+    lead, trail = img.shape[:dim], img.shape[dim + 1:]
+    grid = img.reshape(math.prod(lead), h, w, math.prod(trail)).permute(0, 3, 1, 2)
+    pooled = F.avg_pool2d(grid, factor, ceil_mode=True)
+    h2, w2 = pooled.shape[-2:]
+    pooled = pooled.permute(0, 2, 3, 1).reshape(*lead, h2 * w2, *trail)
+    parts = [x.narrow(dim, 0, start), pooled, x.narrow(dim, start + n, x.shape[dim] - start - n)]
+    return torch.cat([p for p in parts if p.shape[dim]], dim)
+
+
+def pooled_tokens(h: int, w: int, factor: int) -> int:
+    """Image keys left after pooling an ``h x w`` grid by ``factor``."""
+    return math.ceil(h / factor) * math.ceil(w / factor)
+
+
+def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, start: int, h: int, w: int,
+                 factor: int, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled positions for diffusers' ``(cos, sin)`` embedding ([S, D]): each cell's mean
+    rotation, normalised back to a rotation (the rotation by the cell's mean angle)."""
+    c = pool_span(cos.float(), start, h, w, factor, dim)
+    s = pool_span(sin.float(), start, h, w, factor, dim)
+    r = torch.sqrt(c * c + s * s).clamp_min(1e-12)
+    return (c / r).to(cos.dtype), (s / r).to(sin.dtype)
+
+
+def pool_rotations(pe: torch.Tensor, start: int, h: int, w: int, factor: int,
+                   dim: int = 2) -> torch.Tensor:
+    """Pooled positions for ComfyUI's RoPE (``[..., S, D/2, 2, 2]`` rotation matrices): each
+    cell's mean matrix divided by its scale (``sqrt(det)``), a rotation again."""
+    m = pool_span(pe.float(), start, h, w, factor, dim)
+    r = torch.sqrt(m[..., 0, 0] ** 2 + m[..., 1, 0] ** 2).clamp_min(1e-12)
+    return (m / r[..., None, None]).to(pe.dtype)
+
+
+# ----------------------------------------------------------------------------- the method
+
+class DitPlan:
+    """Pooling for one DiT call: the image grid, the factor and the RoPE option."""
+
+    __slots__ = ("h", "w", "factor", "rope")
+
+    def __init__(self, h: int, w: int, factor: int, rope: str):
+        self.h, self.w, self.factor, self.rope = h, w, factor, rope
+
+    def pool(self, x: torch.Tensor, start: int, dim: int) -> torch.Tensor:
+        return pool_span(x, start, self.h, self.w, self.factor, dim)
+
+
+def parse_blocks(text: str) -> tuple[str, int, int]:
+    """``("all"|"double", 0, 0)`` or ``("range", a, b)`` from the ``blocks`` setting; raises
+    ``ValueError`` with what is allowed."""
+    t = str(text).strip().lower().replace(" ", "")
+    if t in ("all", "double"):
+        return t, 0, 0
+    a, sep, b = t.partition("-")
+    if sep and a.isdigit() and b.isdigit() and int(a) <= int(b):
+        return "range", int(a), int(b)
+    if not sep and t.isdigit():
+        return "range", int(t), int(t)
+    raise ValueError(f"must be {BLOCKS_HELP}")
+
+
+def selects(blocks: str, index: int, kind: str) -> bool:
+    """Whether block ``index`` (in the model's order: double-stream blocks first) of ``kind``
+    (``"double"`` or ``"single"``) is pooled under the ``blocks`` setting."""
+    which, a, b = parse_blocks(blocks)
+    if which == "all":
+        return True
+    if which == "double":
+        return kind == "double"
+    return a <= index <= b
+
+
+class DitPool(methods.Downsample):
+    """ToDo on a DiT: the image tokens' keys and values are pooled in joint attention.
+
+    The same user-facing method as the UNet's ``downsample`` (name, factor, description, the
+    config's fields), acting on one grid per call (a DiT has one "level": its patch size), in
+    the blocks the ``blocks`` setting names, with the ``rope`` option for rotary positions."""
+
+    self_attention_only = False
+    # The auto policy's fallback where nothing is measured: image tokens from which pooling
+    # pays. CPU: this machine's benchmark (docs/speed.md, Flux/SD3-shaped blocks, fp32) paid
+    # from 1024 px (4096 tokens). CUDA: published FlashAttention figures on an H100 show
+    # little change for Flux at 1024 px and gains at 2K (16384 tokens); not measured here.
+    thresholds = {"cpu": 4096, "cuda": 16384, "mps": 4096}
+
+    def sub_layers(self, c: Any) -> tuple[str, ...]:
+        return ("attn",)
+
+    def plan(self, planner: Any, call: Any, x: torch.Tensor, level: int, h: int, w: int,
+             decoder: bool) -> DitPlan:
+        plan = call.plans.get((h, w))
+        if plan is None:
+            c = planner.config
+            f = c.downsample_factor
+            plan = call.plans[(h, w)] = DitPlan(h, w, f, c.rope)
+            planner.record(level, h * w, h * w - pooled_tokens(h, w, f))
+        return plan
+
+
+#: The DiT form of each method that has one (``method`` name -> method object).
+FORMS: dict[str, methods.Method] = {"downsample": DitPool()}
+
+
+def method_for(config: Any) -> methods.Method | None:
+    """The DiT form of ``config.method``, or None when the method has none (merge: pairing
+    tokens across a joint sequence with text in it is not what ToMe for SD measured)."""
+    return FORMS.get(config.method)
+
+
+def no_form(config: Any, family: str) -> str:
+    """The one line for a method without a DiT form."""
+    return (f"ToMe: {config.method} has no DiT form ({family}); use method downsample (ToDo: "
+            "image keys/values pooled) on DiTs")
