@@ -8,7 +8,7 @@
         "max_downsample": "Deepest UNet level merged (1 = full resolution only, 2, 4, 8). Auto picks the highest-resolution level that has transformer blocks: 1 on SD1/SD2, 2 on SDXL.",
         "hires_only": "Merge only in the hires-fix pass, where images are large and the speed-up is greatest; the first pass stays exact. Without hires fix nothing is merged. img2img always merges.",
         "hr_ratio": "Ratio of the hires-fix pass (0 = same as Ratio). The hires pass usually tolerates more merging than the first pass.",
-        "method": "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every token, keys and values are pooled by the downsample factor; no unmerge).",
+        "method": "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every token, keys and values are pooled by the downsample factor; no unmerge). On DiTs (Flux, SD3) only downsample applies: the image tokens' keys and values are pooled.",
         "downsample_factor": "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
         "start": "Merge from this point of the denoising process (0 = first, noisiest step).",
         "end": "Merge until this point of the denoising process (1 = last step).",
@@ -19,7 +19,9 @@
         "matching": "global: every source may merge into any destination (as tomesd). local: only into nearby destinations; much faster and leaner on large images.",
         "share": "level: the first block of a UNet level matches its tokens and every other block at that level reuses the plan in the same step (fast on GPUs). block: every block matches its own input, as tomesd does.",
         "policy": "fixed: merge exactly the levels the settings name. auto: merge a level only where it pays on this device: at the first image of each size, each level is timed merged and unmerged on your own model (a few seconds, remembered in a cache file) and merged from 1.05x faster; where it cannot be timed, the device kind's token thresholds decide.",
-        "preset": "Named settings: Quality: downsample x2, auto policy; Balanced: ratio 0.5, auto policy; Fast: downsample x4, max downsample 2, auto policy. A preset sets every control of how tokens are merged (shown greyed out while it is chosen); Only in hires fix and Hires ratio stay yours. Custom: the controls as you set them, starting from the last preset's values."
+        "preset": "Named settings: Quality: downsample x2, auto policy; Balanced: ratio 0.5, auto policy; Fast: downsample x4, max downsample 2, auto policy. A preset sets every control of how tokens are merged (shown greyed out while it is chosen); Only in hires fix and Hires ratio stay yours. Custom: the controls as you set them, starting from the last preset's values.",
+        "rope": "DiTs with rotary positions (Flux): pooled: keys and positions are pooled, each pooled key gets its cell's mean position; before: keys are rotated by their own positions, then pooled.",
+        "blocks": "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks only) or a range of block indices such as 0-18 (double-stream blocks count first)."
     };
 
     onUiLoaded(function () {

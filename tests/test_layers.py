@@ -18,11 +18,12 @@ LAYERS = [
     ("tome.requirements",),
     ("tome.merge",),
     ("tome.methods",),
+    ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),
     ("tome.report",),
-    ("tome.patch", "tome.patcher", "tome.measure"),
+    ("tome.patch", "tome.patcher", "tome.processors", "tome.measure"),
     ("tome.measurements",),
     ("tome",),          # the package's public API (__init__)
     ("tome.webui", "tome.comfy"),    # the hosts' layers, and everything under them
@@ -111,7 +112,8 @@ def test_torch_minimum_is_one_number():
 def test_adapters_and_the_measurement_never_import_each_other():
     """Measuring runs a block through whichever adapter's ``run_block`` it is handed: the
     timing room stays below both adapters, and neither adapter reaches up into it."""
-    adapters, measuring = {"tome.patch", "tome.patcher"}, {"tome.measure", "tome.measurements"}
+    adapters = {"tome.patch", "tome.patcher", "tome.processors"}
+    measuring = {"tome.measure", "tome.measurements"}
     crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
                 if {m, d} & adapters and {m, d} & measuring]
     assert not crossing, crossing

@@ -29,7 +29,7 @@ def ui_args(**named):
     """The positional args the UI would send, starting from the UI's defaults."""
     base = dict(zip(settings.ARGS, [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
                                     True, True, False, False, "global", "level", "auto",
-                                    "Custom"]))
+                                    "Custom", "pooled", "all"]))
     return [{**base, "enabled": True, **named}[n] for n in settings.ARGS]
 
 

@@ -83,7 +83,8 @@ class ToMeConfig:
     method: str = field(default="merge", metadata=_meta(
         "Method", "ToMe method",
         "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every "
-        "token, keys and values are pooled by the downsample factor; no unmerge).",
+        "token, keys and values are pooled by the downsample factor; no unmerge). On DiTs "
+        "(Flux, SD3) only downsample applies: the image tokens' keys and values are pooled.",
         choices=methods.REGISTRY.keys()))  # a live view: registered methods join it
     downsample_factor: int = field(default=2, metadata=_meta(
         "Downsample factor", "ToMe downsample factor",

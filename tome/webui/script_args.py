@@ -27,7 +27,7 @@ XYZ_ATTR = "_tome_xyz"
 ARGS = ("enabled", "ratio", "sx", "sy", "max_downsample", "hires_only", "hr_ratio",
         "method", "downsample_factor", "start", "end",
         "use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "matching",
-        "share", "policy", "preset")
+        "share", "policy", "preset", "rope", "blocks")
 
 # The seed comes from the image seed; every other config field is a script setting.
 CONFIG_KEYS = tuple(name for name in FIELDS if name != "seed")

@@ -105,6 +105,10 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
             with gr.Row():
                 radio("matching")
                 radio("share")
+            with gr.Row():  # DiTs (Flux, SD3) only
+                radio("rope")
+                c["blocks"] = gr.Textbox(value=_DEFAULTS["blocks"], label=LABELS["blocks"],
+                                         elem_id=script.elem_id("blocks"), max_lines=1)
 
     def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
         top = ratio_limit(max(1, int(sx)), max(1, int(sy)))
