@@ -84,13 +84,22 @@ def pool_rotations(pe: torch.Tensor, start: int, h: int, w: int, factor: int,
 class DitPlan:
     """Pooling for one DiT call: the image grid, the factor and the RoPE option."""
 
-    __slots__ = ("h", "w", "factor", "rope")
+    __slots__ = ("h", "w", "factor", "rope", "_positions")
 
     def __init__(self, h: int, w: int, factor: int, rope: str):
         self.h, self.w, self.factor, self.rope = h, w, factor, rope
+        self._positions: tuple[Any, Any] = (None, None)
 
     def pool(self, x: torch.Tensor, start: int, dim: int) -> torch.Tensor:
         return pool_span(x, start, self.h, self.w, self.factor, dim)
+
+    def positions(self, emb: Any, start: int, pool: Any) -> Any:
+        """``pool(emb)``, once per call: every block of a call shares the embedding (a plan
+        lives for one call, so the embedding outlives the cache)."""
+        key = (id(emb[0]) if isinstance(emb, (tuple, list)) else id(emb), start)
+        if self._positions[0] != key:
+            self._positions = (key, pool(emb))
+        return self._positions[1]
 
 
 def parse_blocks(text: str) -> tuple[str, int, int]:

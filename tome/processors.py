@@ -143,7 +143,8 @@ def _pool_kv(plan: dit.DitPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if plan.rope == "before":
         k = plan.pool(rotate(k, emb), start, dim)
     else:
-        pooled = dit.pool_cos_sin(emb[0], emb[1], start, plan.h, plan.w, plan.factor)
+        pooled = plan.positions(emb, start, lambda e: dit.pool_cos_sin(
+            e[0], e[1], start, plan.h, plan.w, plan.factor))
         k = rotate(plan.pool(k, start, dim), pooled)
     return q, k, plan.pool(v, start, dim)
 
@@ -245,10 +246,12 @@ def block_problem(block: nn.Module) -> str | None:
 
 def _wrap(block: nn.Module, source: Any, kind: str, into: list) -> None:
     for a in attentions(block):
-        original = a.processor
+        current = original = a.processor
+        if isinstance(original, PoolingProcessor):  # measuring a patched block: one wrapper
+            original = original.original
         flux = type(original).__name__ in FLUX_PROCESSORS
         a.processor = PoolingProcessor(original, source, kind, flux)
-        into.append((a, original))
+        into.append((a, current))
 
 
 def _unwrap(wrapped: list[tuple[nn.Module, Any]]) -> None:

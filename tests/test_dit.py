@@ -1,0 +1,428 @@
+"""DiT key/value pooling (``tome/dit.py``) and the diffusers adapter (``tome/processors.py``) on
+real diffusers Flux and SD3 transformers built from tiny configs with random weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tome
+from tome import dit, layout, measure, processors
+from tome.config import ToMeConfig
+from tome.measurements import MeasurementCache, Measurer
+
+diffusers = pytest.importorskip("diffusers")
+H, W, T = 8, 12, 5   # image token grid and text length of the tiny calls
+
+
+def _randomise(model):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return _randomise(diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24,
+        axes_dims_rope=(4, 6, 6)))
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    return _randomise(diffusers.SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+        pooled_projection_dim=24, out_channels=4, pos_embed_max_size=32,
+        dual_attention_layers=(0,), qk_norm="rms_norm"))
+
+
+def _ids(h=H, w=W):
+    ids = torch.zeros(h * w, 3)
+    ids[:, 1] = torch.arange(h).repeat_interleave(w)
+    ids[:, 2] = torch.arange(w).repeat(h)
+    return ids
+
+
+def flux_inputs(seed=0, t=0.7):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(2, H * W, 16, generator=g),
+                encoder_hidden_states=torch.randn(2, T, 32, generator=g),
+                pooled_projections=torch.randn(2, 24, generator=g),
+                timestep=torch.full((2,), t), img_ids=_ids(), txt_ids=torch.zeros(T, 3))
+
+
+def sd3_inputs(seed=0, t=500.0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(2, 4, 2 * H, 2 * W, generator=g),
+                encoder_hidden_states=torch.randn(2, T, 32, generator=g),
+                pooled_projections=torch.randn(2, 24, generator=g), timestep=torch.full((2,), t))
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+# ----------------------------------------------------------------------------- pooling
+
+def _reference_pool(x, start, h, w, f):
+    """Cell means by explicit loops over [B, S, C] (sequence dim 1)."""
+    img = x[:, start:start + h * w].reshape(x.shape[0], h, w, -1)
+    cells = [img[:, i:i + f, j:j + f].mean((1, 2)) for i in range(0, h, f) for j in range(0, w, f)]
+    return torch.cat([x[:, :start], torch.stack(cells, 1), x[:, start + h * w:]], 1)
+
+
+@pytest.mark.parametrize("h,w,f", [(8, 12, 2), (7, 5, 2), (8, 12, 4), (9, 9, 3), (4, 4, 1)])
+def test_pool_span_is_the_cell_mean_and_keeps_the_rest(h, w, f):
+    x = torch.randn(2, 3 + h * w + 2, 6)
+    out = dit.pool_span(x, 3, h, w, f, dim=1)
+    assert out.shape[1] == 3 + dit.pooled_tokens(h, w, f) + 2
+    torch.testing.assert_close(out, _reference_pool(x, 3, h, w, f))
+    # heads-first layout [B, heads, S, D], the sequence at dim 2
+    xh = x.reshape(2, x.shape[1], 2, 3).transpose(1, 2)
+    outh = dit.pool_span(xh, 3, h, w, f, dim=2)
+    torch.testing.assert_close(outh.transpose(1, 2).reshape(2, -1, 6), out)
+
+
+@pytest.mark.parametrize("f", [2, 4])
+def test_pooled_positions_are_the_cells_mean_positions(flux, f):
+    """The normalised mean of a cell's rotations is the rotation by the mean position."""
+    ids = torch.cat([torch.zeros(T, 3), _ids()])
+    cos, sin = flux.pos_embed(ids)
+    pc, ps = dit.pool_cos_sin(cos, sin, T, H, W, f)
+    mean_ids = dit.pool_span(ids[None], T, H, W, f, dim=1)[0]
+    ec, es = flux.pos_embed(mean_ids)
+    torch.testing.assert_close(pc, ec, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ps, es, atol=1e-5, rtol=0)
+    # ComfyUI's form: rotation matrices [..., S, D/2, 2, 2]
+    mats = torch.stack([cos[:, ::2], -sin[:, ::2], sin[:, ::2], cos[:, ::2]], -1)
+    pooled = dit.pool_rotations(mats.reshape(1, 1, -1, cos.shape[1] // 2, 2, 2), T, H, W, f)
+    torch.testing.assert_close(pooled[0, 0, ..., 0, 0], ec[:, ::2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(pooled[0, 0, ..., 1, 0], es[:, ::2], atol=1e-5, rtol=0)
+
+
+def _rotate(x, cos, sin):
+    """RoPE by hand on interleaved pairs: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("rope", ["before", "pooled", None])
+def test_joint_attention_matches_a_hand_written_reference(flux, rope):
+    """A Flux double block's attention with pooled image keys/values, against the maths
+    written out: projections, RMS norms, [text, image], rotation, pooled K/V, softmax."""
+    attn, f = flux.transformer_blocks[0].attn, 2
+    g = torch.Generator().manual_seed(1)
+    hs, ehs = torch.randn(2, H * W, 32, generator=g), torch.randn(2, T, 32, generator=g)
+    emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()])) if rope else None
+    plan = dit.DitPlan(H, W, f, rope or "pooled")
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T), "", True)
+    with torch.no_grad():
+        out, ctx_out = wrapper(attn, hs, ehs, None, emb)
+
+        def heads(x):
+            return x.reshape(2, -1, attn.heads, attn.head_dim)
+        q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(ehs))),
+                       attn.norm_q(heads(attn.to_q(hs)))], 1)
+        k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(ehs))),
+                       attn.norm_k(heads(attn.to_k(hs)))], 1)
+        v = torch.cat([heads(attn.add_v_proj(ehs)), heads(attn.to_v(hs))], 1)
+        if rope:
+            cos, sin = (e[None, :, None] for e in emb)
+            q = _rotate(q, cos, sin)
+            if rope == "before":
+                k = _rotate(k, cos, sin)
+        kp = _reference_pool(k.flatten(2), T, H, W, f)
+        vp = _reference_pool(v.flatten(2), T, H, W, f)
+        kp, vp = heads(kp), heads(vp)
+        if rope == "pooled":
+            pc, ps = (_reference_pool(e[None], T, H, W, f)[0] for e in emb)
+            r = torch.sqrt(pc ** 2 + ps ** 2)
+            kp = _rotate(kp, (pc / r)[None, :, None], (ps / r)[None, :, None])
+        assert kp.shape[1] == T + (H // f) * (W // f)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, kp) / math.sqrt(attn.head_dim)
+        ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vp).flatten(2)
+        ref_out = attn.to_out[0](ref[:, T:])
+        ref_ctx = attn.to_add_out(ref[:, :T])
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ctx_out, ref_ctx, atol=1e-5, rtol=1e-4)
+
+
+def test_pooling_by_one_reproduces_the_diffusers_processors_exactly(flux, sd3):
+    """The pooled path is diffusers' own maths: with factor 1 it gives the same bits."""
+    for model, inputs in ((flux, flux_inputs()), (sd3, sd3_inputs())):
+        ref = run(model, inputs)
+        tome.apply_patch(model, method="downsample", downsample_factor=1)
+        try:
+            assert torch.equal(run(model, inputs), ref)
+            assert tome.patch_report(model).planner.tokens  # the pooled path ran
+        finally:
+            tome.remove_patch(model)
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+@pytest.mark.parametrize("rope", ["before", "pooled"])
+def test_flux_pools_and_removal_is_bit_exact(flux, rope):
+    inputs = flux_inputs()
+    ref = run(flux, inputs)
+    modules = dict(flux.named_modules())
+    tome.apply_patch(flux, method="downsample", downsample_factor=2, rope=rope)
+    report = tome.patch_report(flux)
+    assert report.kind == "DiT" and report.patched_blocks == 4
+    assert "diffusers flux DiT" in report.summary()
+    out = run(flux, inputs)
+    assert not torch.equal(out, ref) and torch.isfinite(out).all()
+    assert report.tokens == {2: (H * W, H * W - (H // 2) * (W // 2))}
+    assert torch.equal(run(flux, inputs), out)  # same inputs, same bits
+    tome.remove_patch(flux)
+    assert not tome.is_patched(flux)
+    assert torch.equal(run(flux, inputs), ref)
+    assert dict(flux.named_modules()).keys() == modules.keys()
+    assert all(type(b.attn.processor).__name__ == "FluxAttnProcessor"
+               for b in [*flux.transformer_blocks, *flux.single_transformer_blocks])
+
+
+def test_sd3_pools_including_the_dual_attention_and_removal_is_bit_exact(sd3):
+    inputs = sd3_inputs()
+    ref = run(sd3, inputs)
+    tome.apply_patch(sd3, method="downsample", downsample_factor=2)
+    assert isinstance(sd3.transformer_blocks[0].attn2.processor, processors.PoolingProcessor)
+    out = run(sd3, inputs)
+    assert not torch.equal(out, ref) and torch.isfinite(out).all()
+    tome.remove_patch(sd3)
+    assert torch.equal(run(sd3, inputs), ref)
+
+
+def test_a_pipeline_is_patched_through_its_transformer(flux):
+    class Pipe:
+        transformer = flux
+    pipe = Pipe()
+    tome.apply_patch(pipe, method="downsample")
+    assert tome.is_patched(pipe) and tome.is_patched(flux)
+    tome.remove_patch(pipe)
+    assert not tome.is_patched(flux)
+
+
+def test_blocks_setting_picks_the_blocks(flux):
+    for blocks, wrapped in (("double", [0, 1]), ("1-2", [1, 2]), ("3", [3]),
+                            ("all", [0, 1, 2, 3])):
+        tome.apply_patch(flux, method="downsample", blocks=blocks)
+        attns = [b.attn for b in [*flux.transformer_blocks, *flux.single_transformer_blocks]]
+        got = [i for i, a in enumerate(attns)
+               if isinstance(a.processor, processors.PoolingProcessor)]
+        assert got == wrapped, blocks
+        tome.remove_patch(flux)
+    with pytest.raises(ValueError, match="blocks"):
+        ToMeConfig(method="downsample", blocks="first")
+    report = processors.apply(flux, layout.read(flux),
+                              ToMeConfig(method="downsample", blocks="9-12"))
+    try:
+        assert report.nothing and "names no block" in report.nothing
+    finally:
+        tome.remove_patch(flux)
+
+
+def test_steps_outside_the_window_run_the_original_processors(flux):
+    late, early = flux_inputs(t=0.2), flux_inputs(t=0.9)  # Flux timesteps: 1 = noisiest
+    refs = run(flux, late), run(flux, early)
+    tome.apply_patch(flux, method="downsample", start=0.0, end=0.5)
+    try:
+        assert torch.equal(run(flux, late), refs[0])        # progress 0.8: outside
+        assert not torch.equal(run(flux, early), refs[1])   # progress 0.1: pooled
+    finally:
+        tome.remove_patch(flux)
+
+
+def test_a_foreign_processor_leaves_its_block_unpooled_and_reported(flux):
+    class Custom(diffusers.models.transformers.transformer_flux.FluxAttnProcessor):
+        pass
+    block = flux.single_transformer_blocks[1]
+    original = block.attn.processor
+    block.attn.processor = Custom()
+    try:
+        tome.apply_patch(flux, method="downsample")
+        report = tome.patch_report(flux)
+        assert report.patched_blocks == 3 and "Custom" in report.skipped[0][1]
+        assert isinstance(block.attn.processor, Custom)
+        tome.remove_patch(flux)
+    finally:
+        block.attn.processor = original
+
+
+def test_merge_has_no_dit_form_and_other_dits_are_named():
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+        pooled_projection_dim=8, out_channels=4, pos_embed_max_size=16)
+    with pytest.warns(UserWarning, match="merge has no DiT form"):
+        tome.apply_patch(model, ratio=0.5)
+    assert tome.patch_report(model).nothing
+    tome.remove_patch(model)
+
+    class QwenLike(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    with pytest.raises(tome.UnsupportedModelError, match="QwenLike.*Flux and SD3"):
+        tome.apply_patch(QwenLike(), method="downsample")
+
+
+def test_bad_settings_fail_before_anything_changes(flux):
+    with pytest.raises(ValueError, match="rope"):
+        tome.apply_patch(flux, method="downsample", rope="sideways")
+    assert not tome.is_patched(flux)
+    assert all(type(b.attn.processor).__name__ == "FluxAttnProcessor"
+               for b in flux.transformer_blocks)
+
+
+# ----------------------------------------------------------------------------- GPU proxies
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_pooling_adds_few_ops_and_no_host_sync(flux):
+    """One Flux double-block attention: pooled against the original processor, counted with a
+    TorchDispatchMode: a handful of extra ops (pooling two tensors), none reading back."""
+    attn = flux.transformer_blocks[0].attn
+    emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
+    hs, ehs = torch.randn(2, H * W, 32), torch.randn(2, T, 32)
+    counts = {}
+    for rope in ("before", "pooled"):
+        wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+            dit.DitPlan(H, W, 2, rope), T), "", True)
+        with torch.no_grad():
+            wrapper(attn, hs, ehs, None, emb)  # the call's first block pools the positions
+            with _Ops() as mode:
+                wrapper(attn, hs, ehs, None, emb)
+        counts[rope] = mode.ops
+    with torch.no_grad(), _Ops() as base:
+        attn.processor(attn, hs, ehs, None, emb)
+    for rope, ops in counts.items():
+        assert not {"_local_scalar_dense", "item", "nonzero"} & set(ops), rope
+        assert not [o for o in ops if "scatter" in o or "index_put" in o], rope
+        assert len(ops) - len(base.ops) <= 24, (rope, len(ops), len(base.ops))
+
+
+def test_pooled_attention_compiles_in_one_graph(flux):
+    attn = flux.transformer_blocks[0].attn
+    emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+        dit.DitPlan(H, W, 2, "pooled"), T), "", True)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb), fullgraph=True,
+                       backend="eager")
+    hs, ehs = torch.randn(2, H * W, 32), torch.randn(2, T, 32)
+    with torch.no_grad():
+        out = fn(hs, ehs)
+        ref = wrapper(attn, hs, ehs, None, emb)
+    torch.testing.assert_close(out[0], ref[0])
+
+
+# ----------------------------------------------------------------------------- auto policy
+
+def _clock(speedup):
+    def clock(phase, fn):
+        fn()
+        return {"unmerged": 1.0, "build": 0.0, "merged": 1.0 / speedup}[phase]
+    return clock
+
+
+@pytest.mark.parametrize("speedup,merged", [(1.5, True), (1.01, False)])
+def test_auto_policy_measures_a_dit_per_size_and_decides(flux, tmp_path, speedup, merged):
+    lines = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json", say=lines.append),
+                       say=lines.append, clock=_clock(speedup), rounds=3)
+    inputs = flux_inputs()
+    ref = run(flux, inputs)
+    tome.apply_patch(flux, method="downsample", policy="auto", measure=service)
+    try:
+        out = run(flux, inputs)
+        report = tome.patch_report(flux)
+        (decision,) = report.decisions.values()
+        assert decision.merged is merged and f"measured {speedup:.2f}x" in decision.reason
+        assert torch.equal(out, ref) is not merged
+        assert all(isinstance(b.attn.processor, processors.PoolingProcessor)
+                   for b in [*flux.transformer_blocks, *flux.single_transformer_blocks])
+        row = service.last.rows[0]
+        assert (row.level, row.tokens, row.blocks) == (2, H * W, 4)
+        assert any("measured" in line for line in lines)
+    finally:
+        tome.remove_patch(flux)
+
+
+def test_measuring_a_dit_times_each_kind_of_block_and_leaves_it_as_it_was(flux):
+    cfg = ToMeConfig(method="downsample")
+    lay = layout.read(flux)
+    calls = []
+
+    def clock(phase, fn):
+        calls.append(phase)
+        fn()
+        return {"unmerged": 2.0, "build": 0.0, "merged": 1.0}[phase]
+    ref = run(flux, flux_inputs())
+    m = measure.measure(flux, (2 * H, 2 * W), 1, cfg, runner=processors.runner(lay),
+                        clock=clock, rounds=3, min_rounds=3)
+    (row,) = m.rows
+    assert row.blocks == 4 and row.speedup == pytest.approx(2.0)
+    assert len(calls) == 2 * 3 * 3  # two kinds (double, single) x rounds x phases
+    assert torch.equal(run(flux, flux_inputs()), ref)
+    assert all(type(b.attn.processor).__name__ == "FluxAttnProcessor"
+               for b in [*flux.transformer_blocks, *flux.single_transformer_blocks])
+
+
+def test_dit_threshold_policy_without_measuring(flux):
+    cfg = ToMeConfig(method="downsample", policy="auto")
+    d = dit.method_for(cfg)
+    assert d.thresholds["cuda"] > d.thresholds["cpu"]
+    # 8x12 image tokens are far below the CPU threshold: not pooled, output unchanged
+    inputs = flux_inputs()
+    ref = run(flux, inputs)
+    tome.apply_patch(flux, config=cfg, measure=False)
+    try:
+        assert torch.equal(run(flux, inputs), ref)
+        (decision,) = tome.patch_report(flux).decisions.values()
+        assert not decision.merged and "threshold" in decision.reason
+    finally:
+        tome.remove_patch(flux)
+
+
+def test_sdpa_reference_for_sd3_joint_attention(sd3):
+    """SD3's joint attention, [image, text], no rotation: pooled K/V against plain SDPA."""
+    attn = sd3.transformer_blocks[1].attn
+    g = torch.Generator().manual_seed(2)
+    hs, ehs = torch.randn(2, H * W, 16, generator=g), torch.randn(2, T, 16, generator=g)
+    plan = dit.DitPlan(H, W, 2, "pooled")
+    with torch.no_grad():
+        out, ctx = processors._joint(attn, plan, hs, ehs)
+
+        def heads(x):
+            return x.view(2, -1, attn.heads, 8).transpose(1, 2)
+        q = torch.cat([attn.norm_q(heads(attn.to_q(hs))),
+                       attn.norm_added_q(heads(attn.add_q_proj(ehs)))], 2)
+        k = torch.cat([attn.norm_k(heads(attn.to_k(hs))),
+                       attn.norm_added_k(heads(attn.add_k_proj(ehs)))], 2)
+        v = torch.cat([heads(attn.to_v(hs)), heads(attn.add_v_proj(ehs))], 2)
+        kp = _reference_pool(k.transpose(1, 2).flatten(2), 0, H, W, 2)
+        vp = _reference_pool(v.transpose(1, 2).flatten(2), 0, H, W, 2)
+        kp, vp = (x.view(2, -1, attn.heads, 8).transpose(1, 2) for x in (kp, vp))
+        ref = F.scaled_dot_product_attention(q, kp, vp).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out, attn.to_out[0](ref[:, :H * W]), atol=1e-5, rtol=1e-4)
+    if not attn.context_pre_only:
+        torch.testing.assert_close(ctx, attn.to_add_out(ref[:, H * W:]), atol=1e-5, rtol=1e-4)
