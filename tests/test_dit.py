@@ -426,3 +426,25 @@ def test_sdpa_reference_for_sd3_joint_attention(sd3):
     torch.testing.assert_close(out, attn.to_out[0](ref[:, :H * W]), atol=1e-5, rtol=1e-4)
     if not attn.context_pre_only:
         torch.testing.assert_close(ctx, attn.to_add_out(ref[:, H * W:]), atol=1e-5, rtol=1e-4)
+
+
+def test_coexists_with_diffusers_cache_hooks(flux):
+    """diffusers' own block caching (FirstBlockCache hooks) around the blocks, our processors
+    inside them: both work, and removing ours leaves the cached model as it was."""
+    config = pytest.importorskip("diffusers").FirstBlockCacheConfig(threshold=0.2)
+    inputs = flux_inputs()
+    ref = run(flux, inputs)
+    flux.enable_cache(config)
+    try:
+        with flux.cache_context("before"):
+            cached = run(flux, inputs)
+        tome.apply_patch(flux, method="downsample")
+        with flux.cache_context("pooled"):
+            pooled = run(flux, inputs)
+        tome.remove_patch(flux)
+        with flux.cache_context("after"):
+            after = run(flux, inputs)
+    finally:
+        flux.disable_cache()
+    assert torch.equal(cached, ref) and not torch.equal(pooled, ref)
+    assert torch.equal(after, cached) and torch.equal(run(flux, inputs), ref)
