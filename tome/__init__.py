@@ -1,9 +1,11 @@
 """Token Merging for Stable Diffusion: a drop-in for ``tomesd`` that is exact, reproducible and
-works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets.
+works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets, and pools image keys/values in diffusers
+Flux and SD3 transformers (DiTs).
 
     import tome
     tome.apply_patch(pipe, ratio=0.5)        # or an ldm/sgm model, or a bare UNet
     tome.apply_patch(pipe, config=tome.preset("balanced"))  # auto policy: never slower
+    tome.apply_patch(flux_pipe, method="downsample")  # DiTs: image keys/values pooled x2
     print(tome.patch_report(pipe).summary())
     tome.remove_patch(pipe)                  # outputs are bit-identical to never patched
 """
@@ -32,8 +34,12 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
                 **extra: Any) -> Any:
     """Patch ``model`` in place with Token Merging and return it (as ``tomesd.apply_patch``).
 
-    ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``),
-    or a bare ldm or diffusers UNet. ``max_downsample=None`` picks the highest-resolution level
+    ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``,
+    or ``.transformer`` for Flux and SD3), or a bare ldm or diffusers UNet or DiT. On a DiT
+    only ``method="downsample"`` applies: the image tokens' keys and values are pooled by
+    ``downsample_factor`` in the blocks ``blocks`` names ("all", "double", "a-b"), with
+    ``rope`` ("pooled" or "before") saying how rotary positions meet pooled keys
+    (``tome.dit``). ``max_downsample=None`` picks the highest-resolution level
     that has transformer blocks (1 on SD1/SD2, 2 on SDXL, which has none at full resolution).
     Extra keywords are other ``ToMeConfig`` fields: ``seed``, ``method`` ("merge" or
     "downsample"), ``downsample_factor``, ``matching``, ``share`` ("level": one plan per UNet
