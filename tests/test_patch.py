@@ -270,7 +270,8 @@ def test_bad_settings_keep_a_previous_patch(sd15, inputs):
 @pytest.mark.parametrize("obj", [object(), nn.Linear(2, 2), "unet"])
 def test_unknown_model_says_what_was_expected(obj):
     with pytest.raises(tome.UnsupportedModelError, match=r"has no UNet transformer blocks to "
-                       r"merge \(ToMe merges SD1, SD2 and SDXL UNets; .*; expected an ldm/sgm"):
+                       r"merge and is not a DiT it can pool \(ToMe merges SD1, SD2 and SDXL "
+                       r"UNets and pools .*; expected an ldm/sgm"):
         tome.apply_patch(obj)
 
 
