@@ -268,9 +268,9 @@ def _reader(module: nn.Module):
     for cls in type(module).__mro__:
         if cls.__name__ in _DIT_READERS:
             return _DIT_READERS[cls.__name__]
-    if hasattr(module, "double_blocks") and hasattr(module, "single_blocks") \
-            and hasattr(module, "pe_embedder"):
-        return read_comfy_flux
+    if type(module).__module__.startswith("comfy.") and hasattr(module, "double_blocks") \
+            and hasattr(module, "single_blocks") and hasattr(module, "pe_embedder"):
+        return read_comfy_flux  # ComfyUI's own; Forge Neo's copy (backend.nn) calls no patches
     return None
 
 
