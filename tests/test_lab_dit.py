@@ -1,0 +1,65 @@
+"""The DiT lab: the speed benchmark's quick path and the tiny DiT (never asserting timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+
+def test_dit_bench_quick_runs_every_variant(tmp_path, capsys):
+    from tome.lab import dit_bench
+    assert dit_bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "dit_bench.json").read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert set(rows) == {"flux", "sd3"}
+    assert set(rows["flux"]["ms"]) == {"none", "x2", "x4", "x2 before", "ceiling"}
+    assert all("auto" in r for r in rows.values())
+    assert "| flux | 256 |" in (tmp_path / "dit_bench.md").read_text()
+    out = capsys.readouterr().out
+    assert "DiT bench on" in out and "should be kept in float32" not in out
+
+
+def test_dit_bench_ceiling_leaves_one_image_key(monkeypatch):
+    """The ceiling pools the whole grid into one key and is removed like any patch."""
+    import tome
+    from tome.lab import dit_bench
+    model = dit_bench.build("flux", 1, 1, True, torch.float32)
+    args = dit_bench.inputs(model, "flux", 256, torch.float32, True)
+    with torch.no_grad():
+        ref = model(**args).sample
+        dit_bench._ceiling(model, 256)
+        model(**args)
+        tokens = tome.patch_report(model).tokens
+        tome.remove_patch(model)
+        assert torch.equal(model(**args).sample, ref)
+    assert tokens == {2: (256, 255)}
+
+
+def test_tiny_dit_samples_deterministically():
+    from tome.lab import tinydit
+    try:
+        model = tinydit.load_model()
+    except FileNotFoundError:
+        model = tinydit.build_model().eval()
+    a = tinydit.sample(model, [0, 1], seed=3, steps=2, size=32)
+    b = tinydit.sample(model, [0, 1], seed=3, steps=2, size=32)
+    assert a.shape == (2, 3, 32, 32) and torch.equal(a, b)
+    assert 0 <= a.min() and a.max() <= 1
+
+
+def test_tiny_dit_is_pooled_through_its_transformer():
+    import tome
+    from tome.lab import tinydit
+    model = tinydit.build_model().eval()
+    ref = tinydit.sample(model, [2], seed=0, steps=2, size=32)
+    tome.apply_patch(model, method="downsample", downsample_factor=2, rope="before")
+    try:
+        assert tome.patch_report(model).kind == "DiT"
+        assert not torch.equal(tinydit.sample(model, [2], seed=0, steps=2, size=32), ref)
+    finally:
+        tome.remove_patch(model)
+    assert torch.equal(tinydit.sample(model, [2], seed=0, steps=2, size=32), ref)

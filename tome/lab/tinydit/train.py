@@ -1,0 +1,110 @@
+"""Train the tiny DiT on the tiny UNet's photos (``tome.lab.tinyldm.data``), on one CPU thread.
+
+    OMP_NUM_THREADS=1 python -m tome.lab.tinydit.train --out out/tinydit_run --minutes 40
+
+Phases ``size:batch:minutes`` (32 px first: a quarter of the tokens, a fifth of the step time;
+RoPE positions carry over as the grid grows), AdamW with warm-up, gradient clipping, an EMA of
+the weights (what is shipped, as float16 with the config and the command in its metadata),
+10% null-class labels for guidance, and the held-out loss every ``--eval-every`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..tinyldm import data
+from .model import NULL, build_model, flow_loss, num_params
+
+EVAL_N = 16
+
+
+def evaluate(model, images, classes) -> float:
+    """Mean flow loss at fixed times 0.05..0.95 and fixed noise (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.linspace(0.05, 0.95, len(images))
+    with torch.no_grad():
+        return float(flow_loss(model, images * 2 - 1, classes, g, t=t))
+
+
+def save(model, path: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path), metadata={k: str(v) for k, v in meta.items()})
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", default="32:16:24,64:8:16", help="size:batch:minutes,...")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--ema", type=float, default=0.995)
+    ap.add_argument("--eval-every", type=int, default=100)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    torch.manual_seed(args.seed)  # initialisation only; data and noise use generators
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases = [tuple(float(v) if i == 2 else int(v) for i, v in enumerate(p.split(":")))
+              for p in args.phases.split(",")]
+    photos = data.load_photos("train")
+    held, held_c = data.heldout_batch(EVAL_N, 64, seed=0)
+    fixed, fixed_c = data.random_crops(photos, EVAL_N, 64, torch.Generator().manual_seed(1))
+    model = build_model().train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    g_data, g_noise = (torch.Generator().manual_seed(args.seed + i) for i in (0, 1))
+    meta = {"config": json.dumps(model.config), "seed": args.seed, "phases": args.phases,
+            "command": "python -m tome.lab.tinydit.train "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "data_sources": data.sources(), "torch": torch.__version__}
+    print(f"params {num_params(model) / 1e6:.2f}M, phases {phases}", flush=True)
+    log = open(args.out / "eval_log.csv", "w", newline="")
+    writer = csv.writer(log)
+    writer.writerow(["step", "minutes", "size", "train_loss", "heldout_loss", "fixed_loss"])
+    step, start, running = 0, time.perf_counter(), []
+    for size, batch, minutes in phases:
+        end = time.perf_counter() + 60 * minutes
+        while time.perf_counter() < end:
+            x, c = data.random_crops(photos, batch, size, g_data)
+            drop = torch.rand(batch, generator=g_data) < 0.1
+            c = torch.where(drop, torch.full_like(c, NULL), c)
+            for group in opt.param_groups:
+                group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+            loss = flow_loss(model, x * 2 - 1, c, g_noise)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            with torch.no_grad():
+                for pe, pm in zip(ema.parameters(), model.parameters()):
+                    pe.lerp_(pm, 1 - args.ema)
+            running.append(loss.item())
+            step += 1
+            if step % args.eval_every == 0:
+                mins = (time.perf_counter() - start) / 60
+                h, f = evaluate(ema, held, held_c), evaluate(ema, fixed, fixed_c)
+                tr = sum(running) / len(running)
+                running.clear()
+                writer.writerow([step, f"{mins:.2f}", size, f"{tr:.4f}", f"{h:.4f}", f"{f:.4f}"])
+                log.flush()
+                print(f"step {step} ({mins:.1f} min, {size} px): train {tr:.4f}, held-out {h:.4f},"
+                      f" fixed {f:.4f}", flush=True)
+                save(ema, args.out / "tinydit64.safetensors", {**meta, "steps": step})
+    meta["steps"] = step
+    meta["minutes"] = f"{(time.perf_counter() - start) / 60:.1f}"
+    save(ema, args.out / "tinydit64.safetensors", meta)
+    print(f"done: {step} steps, held-out {evaluate(ema, held, held_c):.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
