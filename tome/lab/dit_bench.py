@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(msg, flush=True)
 
+    from diffusers.utils import logging as diffusers_logging
+    diffusers_logging.set_verbosity_error()  # its dtype advice is not for random-weight models
     say(f"DiT bench on {machine('cpu')}; {why}")
     rows = []
     for family in args.models.split(","):

@@ -6,9 +6,10 @@
     python -m tome.lab.showcase --preset full   # every method and option of the library
 
 Uses the small diffusion model shipped in ``tome/lab/tinyldm`` (trained on photos, real ``ldm``
-UNet, 4096 tokens at its top level as SD 1.5 at 512 px). Every setting samples the same
-seeds, so each image can be compared with the unmerged one above its caption: PSNR/SSIM
-measure how far it drifted. The held-out loss says whether the model got worse at
+UNet, 4096 tokens at its top level as SD 1.5 at 512 px), then the tiny DiT of
+``tome/lab/tinydit`` (diffusers Flux blocks) unpooled and pooled (``dit_quality.py``). Every
+setting samples the same seeds, so each image can be compared with the unmerged one above its
+caption: PSNR/SSIM measure how far it drifted. The held-out loss says whether the model got worse at
 denoising photos it never saw (needs the photo packages; skipped when unavailable).
 """
 
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--at", default="1.5,2",
                    help="speed-ups at which to compare the methods (default 1.5,2)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny run for tests: 32 px, 4 steps, 2 classes, 3 settings")
+                   help="tiny run for tests: 32 px, 4 steps, 2 classes, 3 settings, no DiT")
+    p.add_argument("--dit-steps", type=int, default=20,
+                   help="Euler steps of the tiny DiT's rows (0: skip the DiT; default 20)")
     a = p.parse_args(argv)
 
     if a.threads:
@@ -203,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
                                               default=str) + "\n")
     print(table)
     print()
-    for name in ("grid.png", "quality_vs_speed.png", "table.md"):
+    written = ["grid.png", "quality_vs_speed.png", "table.md"]
+    if a.dit_steps > 0 and not a.quick:
+        from . import dit_quality
+        print(file=sys.stderr)
+        print(dit_quality.run(out, steps=a.dit_steps, seeds=seeds))
+        print()
+        written += ["dit_grid.png", "dit_table.md"]
+    for name in written:
         print(f"wrote {os.path.join(a.out, name)}")
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0

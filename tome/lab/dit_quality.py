@@ -1,0 +1,125 @@
+"""The DiT rows of the showcase: the tiny trained DiT (``tome/lab/tinydit``) unpooled against
+image keys/values pooled x2 and x4, each with both RoPE options, on the same seeds.
+
+    python -m tome.lab.dit_quality      # also run by `make demo` (python -m tome.lab.showcase)
+
+Every setting samples the same (class, seed) images with the same noise; the settings run
+interleaved per image, timed on the sampling thread's CPU clock. PSNR/SSIM compare each image
+with the unpooled one. Writes ``dit_grid.png`` and ``dit_table.md`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tome
+
+from . import quality, report
+
+#: (label, apply_patch settings or None for the unpooled model)
+SETTINGS: tuple[tuple[str, dict[str, Any] | None], ...] = (
+    ("unpooled", None),
+    ("x2 rope pooled", {"downsample_factor": 2, "rope": "pooled"}),
+    ("x2 rope before", {"downsample_factor": 2, "rope": "before"}),
+    ("x4 rope pooled", {"downsample_factor": 4, "rope": "pooled"}),
+    ("x4 rope before", {"downsample_factor": 4, "rope": "before"}),
+)
+
+
+def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
+             progress=None) -> list[dict[str, Any]]:
+    """One row per setting in ``SETTINGS``, in the showcase's row format."""
+    from . import tinydit
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name, _ in SETTINGS}
+    times: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
+    for j, (cls, seed) in enumerate(images):
+        order = SETTINGS if j % 2 == 0 else SETTINGS[::-1]  # nothing always runs first
+        for name, spec in order:
+            if progress:
+                progress(f"tiny DiT: image {j + 1}/{len(images)}, {name}")
+            if spec is not None:
+                tome.apply_patch(model, method="downsample", **spec)
+            try:
+                t0 = time.thread_time()
+                img = tinydit.sample(model, [cls], seed=seed, steps=steps, size=size)
+                times[name].append(time.thread_time() - t0)
+            finally:
+                tome.remove_patch(model)
+            outs[name].append(img[0])
+    ref = torch.stack(outs["unpooled"])
+    t_ref = statistics.median(times["unpooled"])
+    rows = []
+    for name, spec in SETTINGS:
+        imgs = torch.stack(outs[name])
+        p = [float(quality.psnr(a[None], b[None])) for a, b in zip(imgs, ref)]
+        s = [float(quality.ssim(a[None], b[None])) for a, b in zip(imgs, ref)]
+        t = statistics.median(times[name])
+        rows.append({"setting": name, "unmerged": spec is None, "images": imgs,
+                     "jobs": images, "speedup": t_ref / t, "time": t,
+                     "mse": float(quality.mse(imgs, ref).mean()),
+                     "psnr": statistics.mean(p) if spec is not None else float("inf"),
+                     "ssim": statistics.mean(s) if spec is not None else 1.0,
+                     "per_image": {"time": times[name], "psnr": p, "ssim": s}})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| setting | time per image | speed-up | PSNR (dB) | SSIM |", "|---|---|---|---|---|"]
+    for r in rows:
+        psnr = "reference" if r["unmerged"] else f"{r['psnr']:.1f}"
+        ssim = "" if r["unmerged"] else f"{r['ssim']:.3f}"
+        lines.append(f"| {r['setting']} | {r['time']:.2f} s | {r['speedup']:.2f}x | {psnr} | "
+                     f"{ssim} |")
+    return "\n".join(lines)
+
+
+def run(out: Path, steps: int = 20, size: int = 64, seeds=(0,), classes=(0, 1, 2, 3),
+        weights: str | None = None, diff: float = 25) -> str:
+    """Sample, write ``dit_grid.png`` and ``dit_table.md`` into ``out``; the table text."""
+    from . import tinydit
+    model = tinydit.load_model(weights)
+    images = [(c, s + k) for s in seeds for k, c in enumerate(classes)]
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"\r[{time.perf_counter() - t0:5.0f} s] {msg:<60}", end="", file=sys.stderr,
+              flush=True)
+
+    rows = evaluate(model, images, steps, size, progress)
+    print(file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [f"{tinydit.CLASSES[c]}, seed {s}" for c, s in images]
+    report.grid_image(rows, row_labels=labels, diff_gain=diff).save(out / "dit_grid.png")
+    grid = (size // 2) ** 2
+    text = (f"Tiny DiT (Flux architecture, {size}x{size} px, {grid} image tokens), {steps} Euler "
+            f"steps, {len(images)} image(s), fp32, {torch.get_num_threads()} thread(s); time: "
+            "median CPU seconds of the sampling thread per image, settings interleaved; PSNR/SSIM "
+            "against the unpooled image of the same seed.\n\n" + table(rows))
+    (out / "dit_table.md").write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tome.lab.dit_quality",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="out/showcase")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--weights", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    print(run(Path(a.out), a.steps, seeds=[int(s) for s in a.seeds.split(",")],
+              weights=a.weights))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
