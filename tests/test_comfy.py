@@ -311,3 +311,103 @@ def test_the_example_workflow_matches_the_nodes():
         if cls is nodes.ToMePatch:
             values = {k: v for k, v in node["inputs"].items() if k != "model"}
             assert inputs.config(values) == ToMeConfig(policy="auto")
+
+
+# ----------------------------------------------------------------------------- DiTs (Flux)
+
+def flux_model(calls_patches=True):
+    from comfy.flux import FluxModel
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.diffusion_model = FluxModel(calls_patches=calls_patches).eval()
+    return ModelPatcher(m)
+
+
+def flux_run(patcher, sigma=0.8, size=(16, 24), seed=0):
+    from comfy.flux import flux_call
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, *size, generator=g)
+    ctx = torch.randn(2, 5, 12, generator=g)
+    with torch.no_grad():
+        return flux_call(patcher, x, ctx, sigma)
+
+
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_the_node_pools_a_flux_model_through_the_dit_call_form(lines, monkeypatch, rope):
+    import comfy.flux
+    base = flux_model()
+    ref = flux_run(base)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
+                                                       rope=rope))
+    assert ours is not base and "comfy flux DiT" in lines[-1], lines
+    keys = []
+    attention = comfy.flux.attention
+    monkeypatch.setattr(comfy.flux, "attention", lambda q, k, v, pe: (
+        keys.append((k.shape[2], pe)), attention(q, k, v, pe))[1])
+    out = flux_run(ours)
+    assert not torch.equal(out, ref) and torch.isfinite(out).all()
+    assert torch.equal(flux_run(ours), out)  # same inputs, same bits
+    # 8x12 image tokens pooled 2x2 -> 4x6, after 5 text tokens; pe handed back as None
+    assert keys[:4] == [(5 + 24, None)] * 4
+    assert torch.equal(flux_run(base), ref) and not mp.carried(base)[0]  # the input MODEL
+
+
+def test_dit_patch_matches_a_hand_written_reference():
+    """The DiT call form's answer against the maths: pooled cell means, rotations by the
+    stand-in's own embedding (of the mean positions for rope="pooled")."""
+    from comfy.flux import PosEmbed, rotate
+
+    from tome import layout as lay
+    flux = flux_model().model.diffusion_model
+    h, w, t = 4, 6, 3
+    ids = torch.zeros(1, t + h * w, 3)
+    ids[0, t:, 1] = torch.arange(h).repeat_interleave(w).float()
+    ids[0, t:, 2] = torch.arange(w).repeat(h).float()
+    pe = PosEmbed((4, 6, 6))(ids)
+    q, k, v = (torch.randn(1, 2, t + h * w, 16) for _ in range(3))
+
+    def pool(x):  # [B, H, S, D]: cell means by loops
+        img = x[:, :, t:].reshape(1, x.shape[1], h, w, -1)
+        cells = [img[:, :, i:i + 2, j:j + 2].mean((2, 3)) for i in range(0, h, 2)
+                 for j in range(0, w, 2)]
+        return torch.cat([x[:, :, :t], torch.stack(cells, 2)], 2)
+
+    mean_ids = torch.cat([ids[:, :t], pool(ids[:, None])[:, 0, t:]], 1)
+    for rope, expect_k in (("before", pool(rotate(k, pe))),
+                           ("pooled", rotate(pool(k), PosEmbed((4, 6, 6))(mean_ids)))):
+        patch = mp.DitAttn1Patch(ToMeConfig(method="downsample", rope=rope), lay.read(flux))
+        out = patch.attn1(q, k, v, pe=pe, attn_mask=None, extra_options={
+            "block_type": "double", "block_index": 0, "img_slice": [t, t + h * w],
+            mp.LATENT_KEY: (2 * h, 2 * w), "sigmas": torch.tensor([1.0])})
+        assert out["pe"] is None
+        torch.testing.assert_close(out["q"], rotate(q, pe))
+        torch.testing.assert_close(out["k"], expect_k, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out["v"], pool(v))
+
+
+def test_dit_blocks_setting_and_window(lines):
+    base = flux_model()
+    ref = flux_run(base)
+    (doubles,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
+                                                          blocks="double"))
+    (late,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
+                                                       start=0.5))
+    assert not torch.equal(flux_run(doubles), ref)
+    assert torch.equal(flux_run(late, sigma=0.9), ref)  # progress 0.1: before the window
+    assert not torch.equal(flux_run(late, sigma=0.2), ref)
+
+
+def test_merge_on_a_dit_passes_through_with_one_line(lines):
+    base = flux_model()
+    (out,) = nodes.ToMePatch().patch(base, **defaults(method="merge"))
+    assert out is base and "merge has no DiT form" in lines[-1] and "passes through" in lines[-1]
+
+
+def test_a_flux_whose_blocks_call_no_patches_is_said_once(lines):
+    """ComfyUI 0.8.0's Flux blocks never call attn1 patches: nothing pooled, one line."""
+    base = flux_model(calls_patches=False)
+    ref = flux_run(base)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed"))
+    assert torch.equal(flux_run(ours), ref) and torch.equal(flux_run(ours), ref)
+    said = [line for line in lines if "never called the attn1 patch" in line]
+    assert len(said) == 1

@@ -79,6 +79,15 @@ def pool_rotations(pe: torch.Tensor, start: int, h: int, w: int, factor: int,
     return (m / r[..., None, None]).to(pe.dtype)
 
 
+def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    """RoPE in ComfyUI's form: ``pe`` holds a 2x2 rotation matrix per pair of channels
+    (``[..., S, D/2, 2, 2]``); each pair ``(x0, x1)`` of ``x`` (``[B, heads, S, D]``) becomes
+    the matrix times it, computed in ``pe``'s dtype."""
+    pairs = x.to(pe.dtype).unflatten(-1, (-1, 2))  # [..., S, D/2, 2]
+    out = (pe * pairs.unsqueeze(-2)).sum(-1)        # row i: m[i, 0] x0 + m[i, 1] x1
+    return out.flatten(-2).type_as(x)
+
+
 # ----------------------------------------------------------------------------- the method
 
 class DitPlan:

@@ -21,10 +21,16 @@ from typing import Any
 
 import torch
 
+from . import dit
 from . import layout as _layout
 from .config import ToMeConfig
 from .plan import Call, Planner
 from .report import ATTN1_PATCH, PatchReport
+
+# The latent's (height, width), put into ``transformer_options`` by a host layer that sees the
+# diffusion model's input (the ComfyUI node's wrapper): a DiT's token grid, which the DiT call
+# form does not carry.
+LATENT_KEY = "tome_latent"
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches (name kept: older
 # clones in a running host still carry it)
@@ -118,6 +124,83 @@ class Attn1Patch:
         return n if plan is None else self.method.restore(plan, n)
 
 
+class DitAttn1Patch:
+    """The DiT call form of ComfyUI's Flux blocks (double and single stream): ``p(q, k, v,
+    pe=, attn_mask=, extra_options=)`` with ``[B, heads, S, D]`` tensors before RoPE, the
+    joint sequence ``[text, image]`` (``extra_options["img_slice"] = [text, end]``) and
+    ``block_type`` / ``block_index``; the block reads back ``q``, ``k``, ``v``, ``pe`` from
+    the returned dict. Pooling answers with the queries rotated, the image keys (rotated, per
+    ``rope``) and values pooled, and ``pe=None`` so attention does not rotate again; anything
+    it cannot pool (a mask, a grid that does not fit, a block ``blocks`` leaves out, the step
+    window, the auto policy) is answered with ``{}``: the block runs as without us.
+
+    A call starts when the first block seen comes round again (the form has no call hook);
+    the grid comes from the latent under ``LATENT_KEY`` (image tokens past it, e.g. Kontext's
+    reference latents, stay whole), else from a square image token count."""
+
+    def __init__(self, config: ToMeConfig, layout: _layout.Layout):
+        self.config, self.dit = config, layout.dit
+        self.method = dit.method_for(config)
+        self.planner = Planner(config, layout.dit.patch, None, [layout.dit.patch],
+                               method=self.method)
+        self.doubles = sum(b.kind == "double" for b in layout.blocks)
+        self.skipped: list[tuple[Any, str]] = []
+        self.first: Any = None
+        self.call: Call | None = None
+        self.calls = 0  # DiT-form calls received (a host whose blocks never call us: 0)
+
+    def __deepcopy__(self, memo: dict) -> DitAttn1Patch:
+        return self  # shared by clones, as ``Attn1Patch``
+
+    def _grid(self, extra: dict, images: int) -> tuple[int, int] | None:
+        latent = extra.get(LATENT_KEY)
+        if latent is not None:
+            h, w = (-(-int(s) // self.dit.patch) for s in latent)
+            return (h, w) if h * w <= images else None
+        side = int(images ** 0.5)
+        return (side, side) if side * side == images else None
+
+    def attn1(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: Any = None, *,
+              pe: Any = None, attn_mask: Any = None, extra_options: dict | None = None):
+        if extra is not None or extra_options is None:  # the UNet form: not a DiT block
+            return (q, k, v) if extra is not None else {}
+        self.calls += 1
+        kind = str(extra_options.get("block_type", "double"))
+        index = int(extra_options.get("block_index", 0))
+        block = (kind, index)
+        span = extra_options.get("img_slice")
+        if self.first is None:
+            self.first = block
+        latent = extra_options.get(LATENT_KEY)
+        grid = self._grid(extra_options, span[1] - span[0]) if span else None
+        if block == self.first or self.call is None:
+            size = tuple(latent) if latent is not None else \
+                tuple(g * self.dit.patch for g in grid) if grid else None
+            sigma = extra_options.get("sigmas")
+            if isinstance(sigma, torch.Tensor):  # sigmas in [0, 1] -> the 0..1000 scale
+                sigma = sigma * self.dit.timestep_scale
+            self.call = None if size is None else self.planner.begin(
+                size, q.device, sigma, q.shape[0])
+        position = index if kind == "double" else self.doubles + index
+        if self.call is None or grid is None or attn_mask is not None or q.dim() != 4 \
+                or not dit.selects(self.config.blocks, position, kind):
+            return {}
+        h, w = grid
+        plan = self.planner.plan(self.call, q.new_zeros(()).expand(q.shape[0], h * w, 1))
+        if plan is None:
+            return {}
+        start = int(span[0])
+        if pe is None:
+            return {"k": plan.pool(k, start, 2), "v": plan.pool(v, start, 2)}
+        if plan.rope == "before":
+            keys = plan.pool(dit.rotate(k, pe), start, 2)
+        else:
+            pooled = plan.positions(pe, start, lambda e: dit.pool_rotations(
+                e, start, h, w, plan.factor))
+            keys = dit.rotate(plan.pool(k, start, 2), pooled)
+        return {"q": dit.rotate(q, pe), "k": keys, "v": plan.pool(v, start, 2), "pe": None}
+
+
 def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  self_attention: bool):
     """What attn1 gets under ``plan``: the method's queries; its keys and values where it has
@@ -165,8 +248,9 @@ def attn1_patch_lists(unet_patcher: Any) -> list[list]:
 
 
 def is_ours(fn: Any) -> bool:
-    """A patch function of this adapter (a bound method of an ``Attn1Patch``)."""
-    return isinstance(getattr(fn, "__self__", None), Attn1Patch)
+    """A patch function of this adapter (a bound method of an ``Attn1Patch`` or
+    ``DitAttn1Patch``)."""
+    return isinstance(getattr(fn, "__self__", None), (Attn1Patch, DitAttn1Patch))
 
 
 def is_tomesd(fn: Any) -> bool:
@@ -175,10 +259,10 @@ def is_tomesd(fn: Any) -> bool:
     return not is_ours(fn) and "tomesd" in (getattr(fn, "__module__", None) or "")
 
 
-def carried(unet_patcher: Any) -> tuple[list[Attn1Patch], int]:
+def carried(unet_patcher: Any) -> tuple[list[Attn1Patch | DitAttn1Patch], int]:
     """What token merging a patcher already carries: our patches (each ``Attn1Patch`` once)
     and how many foreign ToMe patch functions (``is_tomesd``)."""
-    ours: list[Attn1Patch] = []
+    ours: list[Attn1Patch | DitAttn1Patch] = []
     foreign = 0
     for fns in attn1_patch_lists(unet_patcher):
         for fn in fns:
@@ -229,6 +313,8 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
         return unet_patcher, done.report
     model = getattr(unet_patcher, "model", None)
     layout = _layout.read(model)
+    if layout.dit is not None:
+        return _patch_dit(unet_patcher, layout, config)
     diffusion_model = layout.root
     max_ds = layout.auto_level(config.max_downsample)
     levels = {lv: len(layout.at(lv)) for lv in layout.levels if lv <= max_ds}
@@ -249,5 +335,33 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)
+    setattr(unet, MARK, patch)
+    return unet, report
+
+
+def _patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
+               ) -> tuple[Any, PatchReport]:
+    """The DiT half of ``patch_unet``: one ``DitAttn1Patch`` on a clone. The auto policy
+    decides by the device kind's token thresholds here (a DiT block is not timed through this
+    contract)."""
+    method = dit.method_for(config)
+    chosen = [b for i, b in enumerate(layout.blocks) if dit.selects(config.blocks, i, b.kind)]
+    p = layout.dit.patch
+    report = PatchReport(family=layout.family, config=config, max_downsample=p,
+                         levels={p: len(chosen)} if chosen and method else {},
+                         total_blocks=len(layout.blocks), adapter=ATTN1_PATCH, kind="DiT",
+                         unmergeable=None if method else dit.no_form(config, layout.family))
+    if method is not None and not chosen:
+        report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
+                              f"has {len(layout.blocks)}, double-stream first)")
+    if not config.active:
+        report.unmergeable = "ToMe: these settings change nothing"
+    if report.nothing:
+        return unet_patcher, report
+    unet = unet_patcher.clone()
+    patch = DitAttn1Patch(config, layout)
+    report.skipped, report.planner = patch.skipped, patch.planner
+    patch.report = report
+    unet.set_model_attn1_patch(patch.attn1)
     setattr(unet, MARK, patch)
     return unet, report

@@ -21,7 +21,7 @@ DEFAULT = ToMeConfig(policy="auto")
 # In the node's order; the advanced ones are optional inputs (ComfyUI shows them all).
 MAIN = ("method", "ratio", "downsample_factor", "max_downsample", "sx", "sy", "use_rand",
         "seed", "start", "end", "policy")
-ADVANCED = ("merge_crossattn", "merge_mlp", "matching", "share")
+ADVANCED = ("merge_crossattn", "merge_mlp", "matching", "share", "rope", "blocks")
 # What a preset leaves to the node: the seed of the random destinations.
 PRESET_KEEPS = ("seed",)
 SEED_MAX = 0xFFFFFFFFFFFFFFFF  # as ComfyUI's samplers
@@ -42,6 +42,8 @@ def spec(name: str) -> tuple:
         return values, {"default": shown, "tooltip": tip}
     if isinstance(default, bool):
         return "BOOLEAN", {"default": default, "tooltip": tip}
+    if isinstance(default, str):
+        return "STRING", {"default": default, "tooltip": tip}
     if isinstance(default, int):
         top = SEED_MAX if name == "seed" else meta.get("maximum", SEED_MAX)
         options = {"default": default, "min": meta.get("minimum", 0), "max": top,

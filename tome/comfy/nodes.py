@@ -36,6 +36,8 @@ class SamplingGuard:
     def __init__(self, say: Callable[[str], Any]):
         self.say, self.told = say, False
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
+        self.dit: patcher.DitAttn1Patch | None = None  # a DiT's patch: told its latent size
+        self.silent_told = False
 
     def __deepcopy__(self, memo: dict) -> SamplingGuard:
         return self  # one guard per node run, whatever copies the options it sits in
@@ -46,12 +48,21 @@ class SamplingGuard:
         options = args[5] if positional else kwargs.get("transformer_options")
         if isinstance(options, dict):
             options = self._without_tomesd(options)
+            x = args[0] if args else kwargs.get("x")
+            if self.dit is not None and hasattr(x, "shape"):
+                options = {**options, patcher.LATENT_KEY: tuple(x.shape[-2:])}
             self.view.model_options = {"transformer_options": options}
             if positional:
                 args[5] = options
             else:
                 kwargs["transformer_options"] = options
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        if self.dit is not None and not self.dit.calls and not self.silent_told:
+            self.silent_told = True
+            self.say("ToMe: this ComfyUI's DiT blocks never called the attn1 patch (ComfyUI "
+                     "0.8.0's Flux does not; later versions do), so nothing is pooled; update "
+                     "ComfyUI to pool image keys/values")
+        return out
 
     def _without_tomesd(self, options: dict) -> dict:
         patches = options.get("patches") or {}
@@ -98,6 +109,9 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if report.nothing:
         say(f"{report.nothing}; {PASSES}")
         return model
+    carried_patch = getattr(clone, patcher.MARK, None)
+    if isinstance(carried_patch, patcher.DitAttn1Patch):
+        guard.dit = carried_patch
     if hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
     if config.policy == "auto":
@@ -114,9 +128,11 @@ class ToMePatch:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     DESCRIPTION = ("Token Merging for SD1.x, SD2.x and SDXL UNets: each step is faster, the "
-                   "image changes a little. The input model is not changed. DiT models (Flux, "
-                   "SD3, ...) pass through unchanged. To merge only in a second (hires) "
-                   "sampler, put this node only on that sampler's model.")
+                   "image changes a little. The input model is not changed. On Flux "
+                   "(ComfyUI versions whose Flux blocks call attn1 patches) method downsample "
+                   "pools the image keys/values; other DiTs pass through unchanged. To merge "
+                   "only in a second (hires) sampler, put this node only on that sampler's "
+                   "model.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:  # noqa: N802 (ComfyUI's name)
