@@ -448,3 +448,50 @@ def test_coexists_with_diffusers_cache_hooks(flux):
         flux.disable_cache()
     assert torch.equal(cached, ref) and not torch.equal(pooled, ref)
     assert torch.equal(after, cached) and torch.equal(run(flux, inputs), ref)
+
+
+# ----------------------------------------------------------------------------- A1111's SD3
+
+def test_a1111_sd3_mmdit_pools_through_pre_attention_and_removal_is_exact(monkeypatch):
+    import mmdit_stub
+    torch.manual_seed(0)
+    model = mmdit_stub.MMDiT().eval()
+    g = torch.Generator().manual_seed(0)
+    x, ctx = torch.randn(2, 4, 16, 24, generator=g), torch.randn(2, 7, 12, generator=g)
+    t = torch.full((2,), 600.0)
+    with torch.no_grad():
+        ref = model(x, t, context=ctx)
+    keys = []
+    attention = mmdit_stub.attention
+    monkeypatch.setattr(mmdit_stub, "attention", lambda q, k, v, heads: (
+        keys.append(k.shape[1]), attention(q, k, v, heads))[1])
+    tome.apply_patch(model, method="downsample")
+    report = tome.patch_report(model)
+    assert report.summary().startswith("ToMe: a1111 sd3 DiT, downsample x2; 2/2 blocks pooled")
+    with torch.no_grad():
+        out = model(x, t, context=ctx)
+    assert not torch.equal(out, ref) and keys == [7 + 4 * 6] * 2
+    tome.remove_patch(model)
+    assert "pre_attention" not in vars(model.joint_blocks[0].x_block.attn)
+    with torch.no_grad():
+        assert torch.equal(model(x, t, context=ctx), ref)
+    tome.apply_patch(model, method="downsample", start=0.5)  # t=600: progress 0.4, outside
+    with torch.no_grad():
+        assert torch.equal(model(x, t, context=ctx), ref)
+    tome.remove_patch(model)
+
+
+def test_a1111_sd3_auto_policy_measures_its_blocks(tmp_path):
+    import mmdit_stub
+    model = mmdit_stub.MMDiT().eval()
+    service = Measurer(MeasurementCache(tmp_path / "m.json", say=print), say=print,
+                       clock=_clock(2.0), rounds=3)
+    tome.apply_patch(model, method="downsample", policy="auto", measure=service)
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, 4, 16, 16), torch.full((1,), 500.0),
+                  context=torch.randn(1, 7, 12))
+        (decision,) = tome.patch_report(model).decisions.values()
+        assert decision.merged and "measured 2.00x" in decision.reason
+    finally:
+        tome.remove_patch(model)

@@ -67,6 +67,10 @@ class Dit:
     text_tokens: int        # the text length its pipelines use (what measuring feeds it)
     timestep_scale: float   # its timestep times this is on the 0..1000 training scale
     rope: bool              # rotary positions inside attention (Flux) or none (SD3)
+    # How the model is called: (name, position) of the latent or image tokens, the text
+    # and the timestep (diffusers' names; A1111's MMDiT takes ``x, t, context=``).
+    call: tuple[tuple[str, int], ...] = (("hidden_states", 0), ("encoder_hidden_states", 1),
+                                         ("timestep", 3))
 
 
 @dataclass(frozen=True)
@@ -130,15 +134,20 @@ def context_keyword(block: nn.Module) -> str:
 
 
 def attention(block: nn.Module) -> nn.Module:
-    """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks."""
-    return getattr(block, "attn1", None) or block.attn
+    """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks, the image
+    block's ``attn`` in A1111's MMDiT."""
+    found = getattr(block, "attn1", None) or getattr(block, "attn", None)
+    return found if found is not None else block.x_block.attn
 
 
 def channels(block: nn.Module) -> int:
     """The width of a transformer block's tokens."""
     norm = getattr(block, "norm1", None)
     shape = getattr(norm, "normalized_shape", None)
-    return int(shape[0]) if shape else int(attention(block).to_q.in_features)
+    if shape:
+        return int(shape[0])
+    attn = attention(block)
+    return int((getattr(attn, "to_q", None) or attn.qkv).in_features)  # MMDiT: one qkv
 
 
 def context_dim(block: nn.Module) -> int | None:
@@ -257,7 +266,20 @@ def read_comfy_flux(model: nn.Module) -> Layout:
                        Dit(2, True, 512, 1000.0, True))
 
 
-_DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3}
+def read_mmdit(model: nn.Module) -> Layout:
+    """SD3 as A1111 1.10 runs it (``modules.models.sd3.mmdit.MMDiT``, Stability's reference
+    code): ``joint_blocks``, each a context block and an image block (``x_block``) whose
+    ``attn.pre_attention`` gives the image tokens' q, k, v; [text, image]; called as
+    ``(x, t, context=, y=)`` with t = sigma * 1000."""
+    patch = model.x_embedder.patch_size
+    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+    return _dit_layout(model, "a1111 sd3", model.joint_blocks, (),
+                       Dit(patch, True, 154, 1.0, False,
+                           (("x", 0), ("context", 3), ("t", 1))))
+
+
+_DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3,
+                "MMDiT": read_mmdit}
 
 
 def _reader(module: nn.Module):

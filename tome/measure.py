@@ -384,7 +384,7 @@ def _measure_dit(layout: Layout, latent: tuple[int, int], batch: int, cfg: ToMeC
     for i, b in enumerate(layout.blocks):
         if method is not None and dit.selects(cfg.blocks, i, b.kind):
             kinds.setdefault(b.kind, []).append(b.module)
-    reps = {k: representative(bs, ("attn",)) for k, bs in kinds.items()}
+    reps = {k: representative(bs, ()) for k, bs in kinds.items()}  # the adapter chose them
     _check_memory(layout, latent, batch, dict.fromkeys([level], next(iter(reps.values()), None)))
     parts = [_time_level(rep, kinds[k], set(), level, latent, batch, cfg, runner, clock,
                          rounds, warmup, min_rounds, method)

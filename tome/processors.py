@@ -1,5 +1,5 @@
-"""Patching diffusers DiTs (Flux, SD3): the image tokens' keys and values pooled inside each
-chosen block's attention processor.
+"""Patching DiTs (diffusers Flux and SD3, A1111's SD3): the image tokens' keys and values
+pooled inside each chosen block's attention.
 
 A DiT's attention projects, normalises, concatenates text and image, applies rotary
 positions and calls the kernel, all inside one processor call, so pooling has to happen
@@ -16,6 +16,10 @@ Per transformer call a pre-hook reads the latent grid (SD3: the latent's shape; 
 ``img_ids`` rows and columns, read once per ids tensor, i.e. once per generation) and the
 text length, and the shared ``plan.Planner`` says whether this call pools (window, auto
 policy) and with which plan. Removal puts the original processor objects back.
+
+A1111 1.10 runs SD3 on Stability's reference MMDiT, whose blocks have no processors: there the
+image block's ``attn.pre_attention`` is shadowed on the instance (``PreAttention``), which
+pools the image keys/values before the block joins them to the text's.
 """
 
 from __future__ import annotations
@@ -80,9 +84,7 @@ class _Hooks:
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         st = self.state
         st.plan = None
-        x = _arg(args, kwargs, "hidden_states", 0)
-        text = _arg(args, kwargs, "encoder_hidden_states", 1)
-        t = _arg(args, kwargs, "timestep", 3)
+        x, text, t = (_arg(args, kwargs, name, pos) for name, pos in st.layout.dit.call)
         if not isinstance(x, torch.Tensor):
             return
         p = st.layout.dit.patch
@@ -94,7 +96,7 @@ class _Hooks:
             if grid is None:
                 return
             size = (grid[0] * p, grid[1] * p)
-        st.text = text.shape[1] if isinstance(text, torch.Tensor) else 0
+        st.text = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() == 3 else 0
         c = st.config
         if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1):
             t = t * st.layout.dit.timestep_scale
@@ -220,13 +222,36 @@ def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tens
     return out if ehs is None else (out, ehs_out)
 
 
+class PreAttention:
+    """A1111's MMDiT (SD3): the image block's ``attn.pre_attention`` shadowed on the instance.
+    It returns the image tokens' q, k, v ([B, S, heads * D]) before the block joins them to
+    the text's; pooling k and v there is pooling the joint keys' image part (no RoPE in
+    SD3). Removal deletes the instance attribute: the class's method is back."""
+
+    def __init__(self, original: Any, source: Any):
+        self.original, self.source = original, source
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        q, k, v = self.original(x)
+        plan = self.source.plan
+        if plan is None or k.shape[1] != plan.h * plan.w:
+            return q, k, v
+        return q, plan.pool(k, 0, 1), plan.pool(v, 0, 1)
+
+
 # ----------------------------------------------------------------------------- blocks
 
 def attentions(block: nn.Module) -> list[nn.Module]:
     """The attention modules of a DiT block that pool: ``attn``, and SD3.5's image-only
-    ``attn2``."""
+    ``attn2``; in A1111's MMDiT, the image block's ``attn``."""
+    if hasattr(block, "x_block"):
+        return [block.x_block.attn]
     return [a for a in (getattr(block, "attn", None), getattr(block, "attn2", None))
             if isinstance(a, nn.Module)]
+
+
+def _mmdit(attn: nn.Module) -> bool:
+    return hasattr(type(attn), "pre_attention") and not hasattr(attn, "processor")
 
 
 def block_problem(block: nn.Module) -> str | None:
@@ -236,6 +261,13 @@ def block_problem(block: nn.Module) -> str | None:
     if not attns:
         return f"unsupported block variant {type(block).__qualname__}: no attn"
     for a in attns:
+        if _mmdit(a):
+            shadow = vars(a).get("pre_attention")
+            if isinstance(shadow, PreAttention):
+                return "already pooled by another ToMe patch"
+            if shadow is not None:
+                return "pre_attention replaced on the instance by another extension"
+            continue
         name = type(getattr(a, "processor", None)).__name__
         if name == PoolingProcessor.__name__:
             return "already pooled by another ToMe patch"
@@ -246,6 +278,12 @@ def block_problem(block: nn.Module) -> str | None:
 
 def _wrap(block: nn.Module, source: Any, kind: str, into: list) -> None:
     for a in attentions(block):
+        if _mmdit(a):
+            current = vars(a).get("pre_attention")
+            original = current.original if isinstance(current, PreAttention) else a.pre_attention
+            a.pre_attention = PreAttention(original, source)
+            into.append((a, current))
+            continue
         current = original = a.processor
         if isinstance(original, PoolingProcessor):  # measuring a patched block: one wrapper
             original = original.original
@@ -257,7 +295,12 @@ def _wrap(block: nn.Module, source: Any, kind: str, into: list) -> None:
 def _unwrap(wrapped: list[tuple[nn.Module, Any]]) -> None:
     """Put the original processors back, where ours is still in place."""
     for a, original in reversed(wrapped):
-        if isinstance(vars(a).get("processor"), PoolingProcessor):
+        if _mmdit(a):
+            if isinstance(vars(a).get("pre_attention"), PreAttention):
+                del vars(a)["pre_attention"]
+                if original is not None:
+                    a.pre_attention = original
+        elif isinstance(vars(a).get("processor"), PoolingProcessor):
             a.processor = original
     wrapped.clear()
 
@@ -294,6 +337,8 @@ def runner(layout: Layout):
         wrapped: list = []
         try:
             _wrap(block, _Fixed(plan, d.text_tokens), "", wrapped)
+            if hasattr(block, "x_block"):  # A1111's MMDiT: (context, x, c=)
+                return block(text, x, c=temb)
             return block(hidden_states=x, encoder_hidden_states=text, **kw)
         finally:
             _unwrap(wrapped)
