@@ -268,6 +268,43 @@ class DiT(torch.nn.Module):
         return self.proj(x)
 
 
+def _a1111_sd3():
+    """An SD3 model object as A1111 1.10 holds it (``sd_model.model.diffusion_model`` is the
+    MMDiT), called by the stand-in sampler with the context in third place."""
+    from mmdit_stub import MMDiT
+
+    class SampledMMDiT(MMDiT):
+        def forward(self, x, t, context=None):
+            return super().forward(x, t, context=context)
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.diffusion_model = SampledMMDiT(context_dim=32).eval()
+    model.context_dim, model.is_sd3 = 32, True
+    return model
+
+
+def test_sd3_pools_image_keys_with_downsample_and_says_so(capsys):
+    webui = WebUI(_a1111_sd3())
+    ref = webui.generate(tome=None, seed=3)
+    res = webui.generate(tome=on(method="downsample", policy="fixed"), seed=3)
+    out = capsys.readouterr().out
+    assert "ToMe: SD3 DiT (a1111 sd3) first pass downsample x2; 2/2 blocks pooled" in out, out
+    assert "ToMe method: downsample" in res.info and "ToMe skipped" not in res.info
+    assert not torch.equal(res.images[0], ref.images[0])
+    assert not tome.is_patched(shared.sd_model)
+    again = webui.generate(tome=None, seed=3)
+    assert torch.equal(again.images[0], ref.images[0])  # removal: bit-identical
+
+
+def test_sd3_with_merge_is_skipped_with_the_reason(capsys):
+    webui = WebUI(_a1111_sd3())
+    res = webui.generate(tome=on(ratio=0.5))
+    assert "ToMe skipped" in res.info and "no DiT form" in res.info
+    assert "merge has no DiT form" in capsys.readouterr().out
+
+
 def test_block_shadowed_by_another_extension_is_skipped_with_a_note(webui):
     unet = shared.sd_model.model.diffusion_model
     block = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock")

@@ -45,6 +45,8 @@ def head(kind: str, report: PatchReport) -> str:
     Forge family's patcher."""
     if report.adapter == ATTN1_PATCH:
         return "Forge UNet (attn1 patch),"
+    if report.kind == "DiT":
+        kind = f"{kind or 'SD3'} DiT"
     return f"{kind + ' ' if kind else ''}({report.family})"
 
 
