@@ -40,6 +40,43 @@ def save(model, path: Path, meta: dict) -> None:
     save_file(state, str(path), metadata={k: str(v) for k, v in meta.items()})
 
 
+def figures(out: Path, weights: Path, steps: int = 20) -> None:
+    """``loss_curve.png`` from ``eval_log.csv`` and ``samples.png`` (two per class, one row per
+    guidance scale) from ``weights``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image, ImageDraw
+
+    from .model import CLASSES, load_model, sample
+
+    with open(out / "eval_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    steps_ = [int(r["step"]) for r in rows]
+    for key, label in (("train_loss", "train batches (mean since last point)"),
+                       ("heldout_loss", "held-out photos, EMA, 64 px"),
+                       ("fixed_loss", "fixed train crops, EMA, 64 px")):
+        ax.plot(steps_, [float(r[key]) for r in rows], "o-", ms=2, label=label)
+    ax.set(yscale="log", xlabel="step", ylabel="flow-matching MSE",
+           title="tiny DiT: loss (32 px crops, then 64 px)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss_curve.png")
+    plt.close(fig)
+    model, ids, s = load_model(weights), [c for c in range(len(CLASSES)) for _ in range(2)], 192
+    grid = Image.new("RGB", (len(ids) * (s + 4) + 4, 2 * (s + 18)), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, g in enumerate((1.0, 2.0)):
+        tiles = (sample(model, ids, seed=0, steps=steps, guidance=g) * 255).round().byte()
+        for i, tile in enumerate(tiles.permute(0, 2, 3, 1).numpy()):
+            x, y = 4 + i * (s + 4), r * (s + 18)
+            grid.paste(Image.fromarray(tile).resize((s, s), Image.NEAREST), (x, y + 14))
+            draw.text((x + 2, y + 1), f"{CLASSES[ids[i]]}  cfg {g:g}", fill="black")
+    grid.save(out / "samples.png")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -49,7 +86,13 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--ema", type=float, default=0.995)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--figures", type=Path, default=None,
+                    help="only write OUT/loss_curve.png and OUT/samples.png from these weights")
     args = ap.parse_args(argv)
+    if args.figures is not None:
+        torch.set_num_threads(1)
+        figures(args.out, args.figures)
+        return
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     torch.manual_seed(args.seed)  # initialisation only; data and noise use generators
