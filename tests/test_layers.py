@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
 
 # Bottom to top. A module may import from its own layer and the ones below.
 LAYERS = [
-    ("tome.requirements",),
+    ("tome.requirements", "tome.console"),
     ("tome.merge",),
     ("tome.methods",),
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)

@@ -15,11 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import console as _console
 from ..measurements import MeasurementCache, Measurer, default_cache_path
 
 
 def console(line: str) -> None:
-    print(line, flush=True)
+    """One console line, never glued to the sampler's progress bar (``tome.console.line``)."""
+    _console.line(line)
 
 
 def cache_path() -> Path:

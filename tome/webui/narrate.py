@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import console as _console
 from .. import methods, policy
 from ..config import ToMeConfig
 from ..report import ATTN1_PATCH, PatchReport
@@ -22,22 +23,9 @@ _said_builtin = False
 
 
 def console(line: str) -> None:
-    """Print one console line on a line of its own. While the sampler's progress bar (tqdm)
-    is drawn, its line is finished first (a newline on the bar's stream), so the line never
-    continues the bar's, in a terminal or in a log file; the bar redraws below it."""
-    try:
-        from tqdm import tqdm
-        streams = {id(fp): fp for bar in list(getattr(tqdm, "_instances", ()))
-                   if (fp := getattr(bar, "fp", None)) is not None}
-    except ImportError:
-        streams = {}
-    for fp in streams.values():
-        try:
-            fp.write("\n")
-            fp.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing to finish
-            pass
-    print(line, flush=True)
+    """Print one console line on a line of its own (``tome.console.line``: never glued to the
+    sampler's progress bar)."""
+    _console.line(line)
 
 
 def head(kind: str, report: PatchReport) -> str:
