@@ -125,7 +125,7 @@ def test_joint_attention_matches_a_hand_written_reference(flux, rope):
     hs, ehs = torch.randn(2, H * W, 32, generator=g), torch.randn(2, T, 32, generator=g)
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()])) if rope else None
     plan = dit.DitPlan(H, W, f, rope or "pooled")
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T), "", True)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T), True)
     with torch.no_grad():
         out, ctx_out = wrapper(attn, hs, ehs, None, emb)
 
@@ -306,7 +306,7 @@ def test_pooling_adds_few_ops_and_no_host_sync(flux):
     counts = {}
     for rope in ("before", "pooled"):
         wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
-            dit.DitPlan(H, W, 2, rope), T), "", True)
+            dit.DitPlan(H, W, 2, rope), T), True)
         with torch.no_grad():
             wrapper(attn, hs, ehs, None, emb)  # the call's first block pools the positions
             with _Ops() as mode:
@@ -324,7 +324,7 @@ def test_pooled_attention_compiles_in_one_graph(flux):
     attn = flux.transformer_blocks[0].attn
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
     wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
-        dit.DitPlan(H, W, 2, "pooled"), T), "", True)
+        dit.DitPlan(H, W, 2, "pooled"), T), True)
     torch._dynamo.reset()
     fn = torch.compile(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb), fullgraph=True,
                        backend="eager")

@@ -54,7 +54,6 @@ class _State:
         self.plan: dit.DitPlan | None = None
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self._ids: tuple[Any, Any] = (None, None)  # (img_ids tensor, its grid)
-        self.warned: set[str] = set()
 
     def grid(self, img_ids: torch.Tensor) -> tuple[int, int] | None:
         """The generated image's token grid from Flux's ``img_ids`` (rows, columns), once per
@@ -62,11 +61,11 @@ class _State:
         appended with another first id and are left unpooled."""
         if self._ids[0] is img_ids:
             return self._ids[1]
-        ids = img_ids.reshape(-1, img_ids.shape[-1])
+        ids = img_ids[0] if img_ids.dim() == 3 else img_ids  # older pipelines: [B, S, 3]
         gen = ids[ids[:, 0] == ids[0, 0]]
         lo, hi = gen[:, 1:3].amin(0), gen[:, 1:3].amax(0)
         h, w = (int(v) + 1 for v in (hi - lo).tolist())
-        grid = (h, w) if h * w == gen.shape[0] and gen.shape[0] <= ids.shape[0] else None
+        grid = (h, w) if h * w == gen.shape[0] else None
         self._ids = (img_ids, grid)
         return grid
 
@@ -116,8 +115,8 @@ class PoolingProcessor:
     state dict stay as they were). ``source`` has ``plan`` and ``text`` (a patch's state, or
     a fixed pair when measuring)."""
 
-    def __init__(self, original: Any, source: Any, kind: str, flux: bool):
-        self.original, self.source, self.kind, self.flux = original, source, kind, flux
+    def __init__(self, original: Any, source: Any, flux: bool):
+        self.original, self.source, self.flux = original, source, flux
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -276,7 +275,7 @@ def block_problem(block: nn.Module) -> str | None:
     return None
 
 
-def _wrap(block: nn.Module, source: Any, kind: str, into: list) -> None:
+def _wrap(block: nn.Module, source: Any, into: list) -> None:
     for a in attentions(block):
         if _mmdit(a):
             current = vars(a).get("pre_attention")
@@ -288,7 +287,7 @@ def _wrap(block: nn.Module, source: Any, kind: str, into: list) -> None:
         if isinstance(original, PoolingProcessor):  # measuring a patched block: one wrapper
             original = original.original
         flux = type(original).__name__ in FLUX_PROCESSORS
-        a.processor = PoolingProcessor(original, source, kind, flux)
+        a.processor = PoolingProcessor(original, source, flux)
         into.append((a, current))
 
 
@@ -336,7 +335,7 @@ def runner(layout: Layout):
             kw["image_rotary_emb"] = layout.root.pos_embed(ids)
         wrapped: list = []
         try:
-            _wrap(block, _Fixed(plan, d.text_tokens), "", wrapped)
+            _wrap(block, _Fixed(plan, d.text_tokens), wrapped)
             if hasattr(block, "x_block"):  # A1111's MMDiT: (context, x, c=)
                 return block(text, x, c=temb)
             return block(hidden_states=x, encoder_hidden_states=text, **kw)
@@ -379,7 +378,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         state.handles.append(root.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
         for b in targets:
-            _wrap(b.module, state, b.kind, state.wrapped)
+            _wrap(b.module, state, state.wrapped)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)
