@@ -411,3 +411,20 @@ def test_a_flux_whose_blocks_call_no_patches_is_said_once(lines):
     assert torch.equal(flux_run(ours), ref) and torch.equal(flux_run(ours), ref)
     said = [line for line in lines if "never called the attn1 patch" in line]
     assert len(said) == 1
+
+
+def test_comfy_qwen_image_is_read_as_a_dit_and_diffusers_qwen_is_named():
+    """ComfyUI's Qwen-Image calls the same DiT form as its Flux: read as a DiT of double
+    blocks; the diffusers class of the same name is not (no adapter for it)."""
+    from tome import layout
+
+    def qwen(module):
+        cls = type("QwenImageTransformer2DModel", (torch.nn.Module,), {"__module__": module})
+        m = cls()
+        m.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+        m.pe_embedder, m.patch_size = torch.nn.Identity(), 2
+        return m
+    read = layout.read(qwen("comfy.ldm.qwen_image.model"))
+    assert read.family == "comfy qwen-image" and [b.kind for b in read.blocks] == ["double"] * 3
+    with pytest.raises(layout.UnsupportedModelError, match="QwenImageTransformer2DModel"):
+        layout.read(qwen("diffusers.models.transformers.transformer_qwenimage"))

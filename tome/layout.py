@@ -278,6 +278,14 @@ def read_mmdit(model: nn.Module) -> Layout:
                            (("x", 0), ("context", 3), ("t", 1))))
 
 
+def read_comfy_qwen(model: nn.Module) -> Layout:
+    """ComfyUI's Qwen-Image: ``transformer_blocks`` (all double-stream), the same DiT call form
+    and RoPE matrices as its Flux; [text, image]; sigmas in [0, 1]."""
+    return _dit_layout(model, "comfy qwen-image", model.transformer_blocks, (),
+                       Dit(int(getattr(model, "patch_size", 2)), True, 512, 1000.0, True))
+
+
+_COMFY_READERS = {"Flux": read_comfy_flux, "QwenImageTransformer2DModel": read_comfy_qwen}
 _DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3,
                 "MMDiT": read_mmdit}
 
@@ -290,9 +298,12 @@ def _reader(module: nn.Module):
     for cls in type(module).__mro__:
         if cls.__name__ in _DIT_READERS:
             return _DIT_READERS[cls.__name__]
-    if type(module).__module__.startswith("comfy.") and hasattr(module, "double_blocks") \
-            and hasattr(module, "single_blocks") and hasattr(module, "pe_embedder"):
-        return read_comfy_flux  # ComfyUI's own; Forge Neo's copy (backend.nn) calls no patches
+    if type(module).__module__.startswith("comfy.") and hasattr(module, "pe_embedder"):
+        # ComfyUI's own DiTs that call attn1 patches (Forge Neo's copies, in backend.nn, call
+        # none): Flux by its two block lists, Qwen-Image by its class
+        if hasattr(module, "double_blocks") and hasattr(module, "single_blocks"):
+            return read_comfy_flux
+        return _COMFY_READERS.get(type(module).__name__)
     return None
 
 
