@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo speed-demo bench test lint clean
+.PHONY: setup demo speed-demo bench bench-dit test lint clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ speed-demo: setup
 # SD1.5 at 256 px and the matching step, unmerged vs tomesd vs ours (python -m tome.bench works too).
 bench: setup
 	$(PY) -m tome.lab.bench --quick
+
+# Flux- and SD3-shaped transformers at 512 to 2048 px, unpooled vs pooled image keys/values
+# (docs/speed.md#dits-flux-sd3; about 30 min on one CPU thread).
+bench-dit: setup
+	$(PY) -m tome.lab.dit_bench
 
 test: setup
 	$(PY) -m pytest -q

@@ -63,3 +63,16 @@ def test_tiny_dit_is_pooled_through_its_transformer():
     finally:
         tome.remove_patch(model)
     assert torch.equal(tinydit.sample(model, [2], seed=0, steps=2, size=32), ref)
+
+
+def test_dit_quality_rows_have_the_heldout_loss():
+    """Every setting gets the held-out loss; the unpooled row is the reference (+0%)."""
+    from tome.lab import dit_quality, tinydit
+    model = tinydit.build_model().eval()
+    g = torch.Generator().manual_seed(0)
+    heldout = (torch.rand(2, 3, 32, 32, generator=g), torch.tensor([0, 1]))
+    rows = dit_quality.evaluate(model, [(0, 0)], steps=1, size=32, heldout=heldout)
+    assert [r["setting"] for r in rows] == [n for n, _ in dit_quality.SETTINGS]
+    assert rows[0]["loss_increase"] == {t: 0.0 for t in dit_quality.LOSS_TIMES}
+    assert any(v != 0 for v in rows[1]["loss_increase"].values())
+    assert "loss Δ t=0.5" in dit_quality.table(rows)

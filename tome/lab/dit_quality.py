@@ -5,7 +5,10 @@ image keys/values pooled x2 and x4, each with both RoPE options, on the same see
 
 Every setting samples the same (class, seed) images with the same noise; the settings run
 interleaved per image, timed on the sampling thread's CPU clock. PSNR/SSIM compare each image
-with the unpooled one. Writes ``dit_grid.png`` and ``dit_table.md`` into the output folder.
+with the unpooled one; the held-out loss (the flow-matching loss on crops of photos never
+trained on, at flow times ``LOSS_TIMES``, fixed noise) says whether pooling makes the model a
+worse denoiser, not only a different one. Writes ``dit_grid.png`` and ``dit_table.md`` into
+the output folder.
 """
 
 from __future__ import annotations
@@ -33,9 +36,28 @@ SETTINGS: tuple[tuple[str, dict[str, Any] | None], ...] = (
 )
 
 
+#: Flow times of the held-out loss (1 = pure noise, 0 = clean).
+LOSS_TIMES = (0.1, 0.5, 0.9)
+
+
+def heldout_loss(model, heldout: tuple[torch.Tensor, torch.Tensor]) -> dict[float, float]:
+    """The flow-matching loss on ``heldout`` (images in [0, 1], classes) at each of
+    ``LOSS_TIMES``, the same noise (seed 0) for every setting."""
+    from .tinydit.model import flow_loss
+    x, c = heldout
+    out = {}
+    with torch.no_grad():
+        for t in LOSS_TIMES:
+            g = torch.Generator().manual_seed(0)
+            out[t] = float(flow_loss(model, x * 2 - 1, c, g, t=torch.full((len(c),), t)))
+    return out
+
+
 def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
-             progress=None) -> list[dict[str, Any]]:
-    """One row per setting in ``SETTINGS``, in the showcase's row format."""
+             progress=None, heldout: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> list[dict[str, Any]]:
+    """One row per setting in ``SETTINGS``, in the showcase's row format (with
+    ``loss_increase`` per flow time where ``heldout`` is given)."""
     from . import tinydit
     outs: dict[str, list[torch.Tensor]] = {name: [] for name, _ in SETTINGS}
     times: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
@@ -53,6 +75,16 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
             finally:
                 tome.remove_patch(model)
             outs[name].append(img[0])
+    losses: dict[str, dict[float, float]] = {}
+    for name, spec in SETTINGS if heldout is not None else ():
+        if progress:
+            progress(f"tiny DiT: held-out loss, {name}")
+        if spec is not None:
+            tome.apply_patch(model, method="downsample", **spec)
+        try:
+            losses[name] = heldout_loss(model, heldout)
+        finally:
+            tome.remove_patch(model)
     ref = torch.stack(outs["unpooled"])
     t_ref = statistics.median(times["unpooled"])
     rows = []
@@ -67,22 +99,32 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
                      "psnr": statistics.mean(p) if spec is not None else float("inf"),
                      "ssim": statistics.mean(s) if spec is not None else 1.0,
                      "per_image": {"time": times[name], "psnr": p, "ssim": s}})
+        if losses:
+            rows[-1]["loss"] = losses[name]
+            rows[-1]["loss_increase"] = {t: losses[name][t] / losses["unpooled"][t] - 1
+                                         for t in LOSS_TIMES}
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| setting | time per image | speed-up | PSNR (dB) | SSIM |", "|---|---|---|---|---|"]
+    loss = "loss_increase" in rows[0]
+    head = "| setting | time per image | speed-up | PSNR (dB) | SSIM |" + "".join(
+        f" loss Δ t={t:g} |" for t in LOSS_TIMES if loss)
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         psnr = "reference" if r["unmerged"] else f"{r['psnr']:.1f}"
         ssim = "" if r["unmerged"] else f"{r['ssim']:.3f}"
         lines.append(f"| {r['setting']} | {r['time']:.2f} s | {r['speedup']:.2f}x | {psnr} | "
-                     f"{ssim} |")
+                     f"{ssim} |" + "".join(f" {r['loss_increase'][t]:+.1%} |"
+                                           for t in LOSS_TIMES if loss))
     return "\n".join(lines)
 
 
 def run(out: Path, steps: int = 20, size: int = 64, seeds=(0,), classes=(0, 1, 2, 3),
-        weights: str | None = None, diff: float = 25) -> str:
-    """Sample, write ``dit_grid.png`` and ``dit_table.md`` into ``out``; the table text."""
+        weights: str | None = None, diff: float = 25,
+        heldout: tuple[torch.Tensor, torch.Tensor] | None = None) -> str:
+    """Sample, write ``dit_grid.png`` and ``dit_table.md`` into ``out``; the table text.
+    ``heldout``: (images in [0, 1] at ``size``, classes) for the loss columns, or None."""
     from . import tinydit
     model = tinydit.load_model(weights)
     images = [(c, s + k) for s in seeds for k, c in enumerate(classes)]
@@ -92,7 +134,7 @@ def run(out: Path, steps: int = 20, size: int = 64, seeds=(0,), classes=(0, 1, 2
         print(f"\r[{time.perf_counter() - t0:5.0f} s] {msg:<60}", end="", file=sys.stderr,
               flush=True)
 
-    rows = evaluate(model, images, steps, size, progress)
+    rows = evaluate(model, images, steps, size, progress, heldout)
     print(file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     labels = [f"{tinydit.CLASSES[c]}, seed {s}" for c, s in images]
@@ -101,7 +143,10 @@ def run(out: Path, steps: int = 20, size: int = 64, seeds=(0,), classes=(0, 1, 2
     text = (f"Tiny DiT (Flux architecture, {size}x{size} px, {grid} image tokens), {steps} Euler "
             f"steps, {len(images)} image(s), fp32, {torch.get_num_threads()} thread(s); time: "
             "median CPU seconds of the sampling thread per image, settings interleaved; PSNR/SSIM "
-            "against the unpooled image of the same seed.\n\n" + table(rows))
+            "against the unpooled image of the same seed" + (
+                f"; loss Δ: relative increase of the flow-matching loss on {len(heldout[1])} "
+                "held-out photo crops at flow time t (1 = pure noise), the same noise for every "
+                "setting" if heldout is not None else "") + ".\n\n" + table(rows))
     (out / "dit_table.md").write_text(text + "\n")
     return text
 
@@ -114,10 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weights", default=None)
+    p.add_argument("--heldout", type=int, default=8,
+                   help="held-out photo crops for the loss columns (0: skip; default 8)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    heldout = None
+    if a.heldout > 0:
+        from .showcase import _heldout
+        heldout, why = _heldout(a.heldout, 64, None)
+        if heldout is None:
+            print(f"held-out loss skipped: {why}", file=sys.stderr)
     print(run(Path(a.out), a.steps, seeds=[int(s) for s in a.seeds.split(",")],
-              weights=a.weights))
+              weights=a.weights, heldout=heldout))
     return 0
 
 

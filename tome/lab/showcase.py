@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.dit_steps > 0 and not a.quick:
         from . import dit_quality
         print(file=sys.stderr)
-        print(dit_quality.run(out, steps=a.dit_steps, seeds=seeds))
+        print(dit_quality.run(out, steps=a.dit_steps, seeds=seeds,
+                               heldout=heldout if a.size == 64 else None))
         print()
         written += ["dit_grid.png", "dit_table.md"]
     for name in written:
