@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import dit, layout, measure, processors
+from tome import dit, layout, measure, memory, processors
 from tome.config import ToMeConfig
 from tome.measurements import MeasurementCache, Measurer
 
@@ -385,6 +385,18 @@ def test_measuring_a_dit_times_each_kind_of_block_and_leaves_it_as_it_was(flux):
     assert torch.equal(run(flux, flux_inputs()), ref)
     assert all(type(b.attn.processor).__name__ == "FluxAttnProcessor"
                for b in [*flux.transformer_blocks, *flux.single_transformer_blocks])
+
+
+def test_the_memory_check_sees_the_kernel_under_our_processors(flux):
+    """Patched, the blocks' kernel is still named by the processor we wrap (diffusers' SDPA
+    dispatch): no score matrix is assumed, so large sizes are measured, not skipped."""
+    tome.apply_patch(flux, method="downsample")
+    try:
+        backend = measure.attention_backend(flux)
+    finally:
+        tome.remove_patch(flux)
+    assert backend == "FluxAttnProcessor dispatch_attention_fn:native"
+    assert not memory.full_scores(backend)
 
 
 def test_dit_threshold_policy_without_measuring(flux):

@@ -40,6 +40,8 @@ def small_memory(monkeypatch):
     ("AttnProcessor", True),
     ("AttnProcessor2_0 sdp:math", True),  # CUDA with only SDPA's math back-end
     ("AttnProcessor2_0 sdp:flash,math", False),
+    ("FluxAttnProcessor dispatch_attention_fn:native", False),  # diffusers' default: SDPA
+    ("FluxAttnProcessor dispatch_attention_fn:_native_math", True),
     ("something.new", True),  # unknown: assume the worst
 ])
 def test_which_attention_holds_the_whole_score_matrix(backend, full):

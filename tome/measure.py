@@ -275,8 +275,12 @@ def attention_backend(model: Any) -> str:
         return "none"
     attn = attention(blocks[0])
     processor = getattr(attn, "processor", None)
+    # a wrapping processor (ours on DiTs) calls the one it wraps: name that one
+    processor = getattr(processor, "original", processor)
     if processor is not None:
         name = type(processor).__name__
+        if hasattr(processor, "_attention_backend"):  # diffusers' dispatch_attention_fn
+            name += f" dispatch_attention_fn:{processor._attention_backend or 'native'}"
     else:
         fn = type(attn).forward
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"

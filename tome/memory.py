@@ -31,9 +31,11 @@ HEADROOM = 512 << 20
 # Attention kernels that never hold a token-by-token matrix (by name, lower case): PyTorch's
 # SDPA (unless only its math back-end is enabled), xFormers, flash, Sage, sub-quadratic, and
 # the split/sliced kernels that chunk the scores to fit (A1111's InvokeAI and Doggettx, Forge's
-# and ComfyUI's attention_split, diffusers' SlicedAttnProcessor).
+# and ComfyUI's attention_split, diffusers' SlicedAttnProcessor), and diffusers' processors that
+# call its ``dispatch_attention_fn`` (SDPA by default; its math back-ends are caught below).
 EFFICIENT = ("sdp", "scaled_dot_product", "attnprocessor2_0", "attention_pytorch", "xformers",
-             "flash", "sage", "sub_quad", "split", "invokeai", "slice")
+             "flash", "sage", "sub_quad", "split", "invokeai", "slice",
+             "dispatch_attention_fn:native")
 
 
 class NotEnoughMemoryError(Exception):
@@ -69,6 +71,8 @@ def full_scores(backend: str) -> bool:
     name, _, flags = backend.lower().partition(" sdp:")
     if flags and set(flags.split(",")) <= {"math", ""}:
         return True  # SDPA with only its math back-end materialises the scores
+    if "dispatch_attention_fn:" in name and "math" in name:
+        return True  # diffusers' "_native_math" back-end
     return not any(k in name for k in EFFICIENT)
 
 
