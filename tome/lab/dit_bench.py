@@ -415,15 +415,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "skipped" in r:
             lines.append(f"{head} skipped: {r['skipped']} | | | | | | |")
             continue
-        s = r["speedup"]
-
-        def cell(n: str, r: dict[str, Any] = r, s: dict[str, float] = s) -> str:
-            return f"{r['ms'][n] / 1e3:.2f} s, {s[n]:.2f}x" if n in s else "-"
         auto = r.get("auto")
         auto_text = "-" if auto is None else (
             ("pooled x2" if auto["pooled"] else "unpooled") if auto["pooled"] is not None
             else "undecided") + (f" ({auto['measured_speedup']:.2f}x measured)"
-                                 if auto["measured_speedup"] else "")
+                                 if auto["measured_speedup"] else " (token threshold)")
+        if "ms" not in r:  # --auto-only
+            lines.append(f"{head} | | | | | | {auto_text} |")
+            continue
+        s = r["speedup"]
+
+        def cell(n: str, r: dict[str, Any] = r, s: dict[str, float] = s) -> str:
+            return f"{r['ms'][n] / 1e3:.2f} s, {s[n]:.2f}x" if n in s else "-"
         lines.append(f"{head} {r['ms']['none'] / 1e3:.2f} s | {cell('x2')} | {cell('x4')} | "
                      f"{cell('x2 before')} | {cell('ceiling')} | "
                      f"{r['attention_share']['none']:.0%} | {auto_text} |")
@@ -443,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before-large", action="store_true",
                     help="also time 'x2 before' at 2048 px and above")
     ap.add_argument("--no-auto", action="store_true", help="skip the auto policy's decisions")
+    ap.add_argument("--auto-only", action="store_true",
+                    help="only the auto policy's decisions (no variants timed)")
     ap.add_argument("--auto-rounds-large", type=int, default=1,
                     help="the auto policy's measuring rounds at 2048 px and above (no warm-up; "
                          "below: the library's 5 after 1 warm-up)")
@@ -503,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
                 auto = auto_decision(model, family, px, dtype, args.quick,
                                      *((args.auto_rounds_large, 0) if large else (5, 1)))
                 say(f"  {family} {px} px, auto ({auto['seconds']:.0f} s): {auto['reason']}")
+                if args.auto_only:
+                    rows.append({"family": family, "px": px, "image_tokens": image_tokens(px),
+                                 "auto": auto})
+                    continue
             row = run_size(model, family, px, args.rounds_large if large else rounds, dtype,
                            args.quick, say, args.before_large)
             row["auto"] = auto
