@@ -145,10 +145,11 @@ class DitPool(methods.Downsample):
 
     self_attention_only = False
     # The auto policy's fallback where nothing is measured: image tokens from which pooling
-    # pays. CPU: this machine's benchmark (docs/speed.md, Flux/SD3-shaped blocks, fp32) paid
-    # from 1024 px (4096 tokens). CUDA: published FlashAttention figures on an H100 show
-    # little change for Flux at 1024 px and gains at 2K (16384 tokens); not measured here.
-    thresholds = {"cpu": 4096, "cuda": 16384, "mps": 4096}
+    # pays. CPU: `make bench-dit` (docs/speed.md#dits-flux-sd3; Flux and SD3 shapes, bf16, one
+    # thread) paid by 5% from 576 tokens (384 px) and clearly (1.11x, 1.21x) at 1024 (512 px).
+    # CUDA: published FlashAttention figures on an H100 show little change for Flux at
+    # 1024 px and gains at 2K (16384 tokens); not measured here. MPS: an estimate.
+    thresholds = {"cpu": 1024, "cuda": 16384, "mps": 4096}
 
     def sub_layers(self, c: Any) -> tuple[str, ...]:
         return ("attn",)
