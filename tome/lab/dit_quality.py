@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     heldout = None
     if a.heldout > 0:
-        from .showcase import _heldout
-        heldout, why = _heldout(a.heldout, 64, None)
+        heldout, why = quality.heldout_batch(a.heldout, 64)
         if heldout is None:
             print(f"held-out loss skipped: {why}", file=sys.stderr)
     print(run(Path(a.out), a.steps, seeds=[int(s) for s in a.seeds.split(",")],

@@ -80,6 +80,17 @@ def ssim(
 # ----------------------------------------------------------------------------- evaluation
 
 
+def heldout_batch(n: int, size: int, cache: str | None = None
+                  ) -> tuple[torch.Tensor | None, str | None]:
+    """The fixed held-out photo batch, or None and the reason if the photos are unavailable."""
+    from .tinyldm import data
+
+    try:
+        return data.heldout_batch(n, size, seed=0, cache_dir=cache), None
+    except (RuntimeError, OSError, FileNotFoundError) as e:
+        return None, str(e).splitlines()[0][:200]
+
+
 def evaluate(
     model,
     settings: Sequence[Setting],

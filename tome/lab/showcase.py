@@ -60,16 +60,6 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v.strip()]
 
 
-def _heldout(n: int, size: int, cache: str | None):
-    """The fixed held-out batch, or None (with the reason) if the photos are unavailable."""
-    from .tinyldm import data
-
-    try:
-        return data.heldout_batch(n, size, seed=0, cache_dir=cache), None
-    except (RuntimeError, OSError, FileNotFoundError) as e:
-        return None, str(e).splitlines()[0][:200]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tome.lab.showcase",
                                 description=__doc__.split("\n")[0])
@@ -137,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _ints(a.seeds)
     trained = model.metadata.get("steps", "?")
 
-    heldout, skipped = (None, "--heldout 0") if a.heldout <= 0 else _heldout(a.heldout, a.size,
-                                                                             a.cache)
+    heldout, skipped = ((None, "--heldout 0") if a.heldout <= 0
+                        else quality.heldout_batch(a.heldout, a.size, a.cache))
     images = [(c, s + k) for s in seeds for k, c in enumerate(classes)]
     n_img = len(images)
     print(f"tiny diffusion model ({tinyldm.num_params(model) / 1e6:.1f}M parameters, "
