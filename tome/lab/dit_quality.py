@@ -1,5 +1,6 @@
 """The DiT rows of the showcase: the tiny trained DiT (``tome/lab/tinydit``) unpooled against
-image keys/values pooled x2 and x4, each with both RoPE options, on the same seeds.
+image keys/values pooled x2 and x4, each with both RoPE options, and x2 only in the noisier
+half of the steps or only in the double-stream blocks, on the same seeds.
 
     python -m tome.lab.dit_quality      # also run by `make demo` (python -m tome.lab.showcase)
 
@@ -33,6 +34,10 @@ SETTINGS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("x2 rope before", {"downsample_factor": 2, "rope": "before"}),
     ("x4 rope pooled", {"downsample_factor": 4, "rope": "pooled"}),
     ("x4 rope before", {"downsample_factor": 4, "rope": "before"}),
+    # Where the cost falls: only the noisier half of the steps, only the double-stream blocks.
+    ("x2 steps 0-0.5", {"downsample_factor": 2, "end": 0.5}),
+    ("x2 steps 0.5-1", {"downsample_factor": 2, "start": 0.5}),
+    ("x2 double blocks", {"downsample_factor": 2, "blocks": "double"}),
 )
 
 
