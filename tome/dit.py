@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import methods
+from . import merge, methods
 
 ROPES = ("before", "pooled")
 BLOCKS_HELP = "all, double (double-stream / joint blocks only) or a range of block indices 'a-b'"
@@ -104,7 +104,11 @@ class DitPlan:
 
     def positions(self, emb: Any, start: int, pool: Any) -> Any:
         """``pool(emb)``, once per call: every block of a call shares the embedding (a plan
-        lives for one call, so the embedding outlives the cache)."""
+        lives for one call, so the embedding outlives the cache). Not cached while
+        ``torch.compile`` traces: a guard on the embedding's identity would recompile every
+        call; the compiled graph pools it per block instead."""
+        if merge.compiling():
+            return pool(emb)
         key = (id(emb[0]) if isinstance(emb, (tuple, list)) else id(emb), start)
         if self._positions[0] != key:
             self._positions = (key, pool(emb))
