@@ -3,6 +3,7 @@ real diffusers Flux and SD3 transformers built from tiny configs with random wei
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -339,8 +340,6 @@ def test_compiled_blocks_keep_one_graph_across_steps(flux):
     """diffusers' regional compilation (each block compiled with fullgraph=True) on a patched
     Flux: the same result as eager, and no recompilation from one step to the next (pooled
     positions are not cached by the embedding's identity while tracing)."""
-    import copy
-
     model = copy.deepcopy(flux)
     tome.apply_patch(model, method="downsample")
     eager = [run(model, flux_inputs(t=t)) for t in (0.9, 0.5, 0.2)]
@@ -358,8 +357,6 @@ def test_compiled_blocks_keep_one_graph_across_steps(flux):
 def test_a_compiled_sd3_is_one_graph(sd3):
     """SD3's grid is the latent's shape, so the whole patched transformer compiles as one
     graph (hooks included) and steps do not recompile."""
-    import copy
-
     model = copy.deepcopy(sd3)
     tome.apply_patch(model, method="downsample")
     eager = [run(model, sd3_inputs(t=t)) for t in (900.0, 500.0)]

@@ -23,22 +23,6 @@ def test_dit_bench_quick_runs_every_variant(tmp_path, capsys):
     assert "DiT bench on" in out and "should be kept in float32" not in out
 
 
-def test_dit_bench_ceiling_leaves_one_image_key(monkeypatch):
-    """The ceiling pools the whole grid into one key and is removed like any patch."""
-    import tome
-    from tome.lab import dit_bench
-    model = dit_bench.build("flux", 1, 1, True, torch.float32)
-    args = dit_bench.inputs(model, "flux", 256, torch.float32, True)
-    with torch.no_grad():
-        ref = model(**args).sample
-        dit_bench._ceiling(model, 256)
-        model(**args)
-        tokens = tome.patch_report(model).tokens
-        tome.remove_patch(model)
-        assert torch.equal(model(**args).sample, ref)
-    assert tokens == {2: (256, 255)}
-
-
 def test_tiny_dit_samples_deterministically():
     from tome.lab import tinydit
     try:

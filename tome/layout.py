@@ -285,7 +285,7 @@ def read_comfy_qwen(model: nn.Module) -> Layout:
                        Dit(int(getattr(model, "patch_size", 2)), True, 512, 1000.0, True))
 
 
-_COMFY_READERS = {"Flux": read_comfy_flux, "QwenImageTransformer2DModel": read_comfy_qwen}
+_COMFY_READERS = {"QwenImageTransformer2DModel": read_comfy_qwen}  # Flux: by its block lists
 _DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3,
                 "MMDiT": read_mmdit}
 

@@ -271,29 +271,6 @@ def fits(need: int, device: torch.device) -> tuple[bool, int | None]:
 
 # ----------------------------------------------------------------------------- running
 
-def pool_all(model, px: int) -> None:
-    """Patch with every image key and value pooled into one (the factor covers the whole
-    grid): the ceiling reached through ToMe's pooled processors, so that against ``ceiling``
-    it shows what the pooled path itself costs. The config caps the factor at 8, so larger
-    grids use the adapter's plan directly."""
-    from tome import processors
-    tome.apply_patch(model, method="downsample", downsample_factor=8)
-    state = vars(model)[processors.STATE_ATTR]
-    grid = px // 16
-    orig = state.planner.plan
-
-    def plan(call, x, decoder=False):
-        p = orig(call, x, decoder)
-        if p is not None:
-            p.factor = grid
-            state.planner.tokens[state.layout.dit.patch] = (p.h * p.w, p.h * p.w - 1)
-        return p
-    state.planner.plan = plan
-
-
-_ceiling = pool_all  # the name tests/test_lab_dit.py knows
-
-
 def run_size(model, family: str, px: int, rounds: int, dtype: torch.dtype, quick: bool,
              say, before_large: bool = False) -> dict[str, Any]:
     """One size's row: every variant ``rounds`` times, interleaved, medians."""
@@ -337,9 +314,7 @@ def run_size(model, family: str, px: int, rounds: int, dtype: torch.dtype, quick
             "attention_ms": {n: statistics.median(v) * 1e3 for n, v in kernel_s.items()},
             "attention_share": {n: statistics.median(k / t for k, t in zip(kernel_s[n], times[n]))
                                 for n in names},
-            "speedup": {n: med["none"] / med[n] for n in names},
-            # kept under its old name: the share of the forward the ceiling saves
-            "image_attention_share": (med["none"] - med["ceiling"]) / med["none"]}
+            "speedup": {n: med["none"] / med[n] for n in names}}
 
 
 class _DecidedError(Exception):

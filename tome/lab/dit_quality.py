@@ -1,6 +1,6 @@
 """The DiT rows of the showcase: the tiny trained DiT (``tome/lab/tinydit``) unpooled against
-image keys/values pooled x2 and x4, each with both RoPE options, and x2 only in the noisier
-half of the steps or only in the double-stream blocks, on the same seeds.
+image keys/values pooled x2 and x4, each with both RoPE options, and x2 only in one half of
+the steps or only in the double-stream blocks, on the same seeds.
 
     python -m tome.lab.dit_quality      # also run by `make demo` (python -m tome.lab.showcase)
 
@@ -15,6 +15,7 @@ the output folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ SETTINGS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("x2 rope before", {"downsample_factor": 2, "rope": "before"}),
     ("x4 rope pooled", {"downsample_factor": 4, "rope": "pooled"}),
     ("x4 rope before", {"downsample_factor": 4, "rope": "before"}),
-    # Where the cost falls: only the noisier half of the steps, only the double-stream blocks.
+    # Where the cost falls: one half of the steps (0 = the noisiest), the double-stream blocks.
     ("x2 steps 0-0.5", {"downsample_factor": 2, "end": 0.5}),
     ("x2 steps 0.5-1", {"downsample_factor": 2, "start": 0.5}),
     ("x2 double blocks", {"downsample_factor": 2, "blocks": "double"}),
@@ -58,6 +59,17 @@ def heldout_loss(model, heldout: tuple[torch.Tensor, torch.Tensor]) -> dict[floa
     return out
 
 
+@contextlib.contextmanager
+def _pooled(model, spec: dict[str, Any] | None):
+    """``model`` pooled with ``spec`` for the duration (None: as it is)."""
+    if spec is not None:
+        tome.apply_patch(model, method="downsample", **spec)
+    try:
+        yield
+    finally:
+        tome.remove_patch(model)
+
+
 def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
              progress=None, heldout: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> list[dict[str, Any]]:
@@ -71,25 +83,17 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
         for name, spec in order:
             if progress:
                 progress(f"tiny DiT: image {j + 1}/{len(images)}, {name}")
-            if spec is not None:
-                tome.apply_patch(model, method="downsample", **spec)
-            try:
+            with _pooled(model, spec):
                 t0 = time.thread_time()
                 img = tinydit.sample(model, [cls], seed=seed, steps=steps, size=size)
                 times[name].append(time.thread_time() - t0)
-            finally:
-                tome.remove_patch(model)
             outs[name].append(img[0])
     losses: dict[str, dict[float, float]] = {}
     for name, spec in SETTINGS if heldout is not None else ():
         if progress:
             progress(f"tiny DiT: held-out loss, {name}")
-        if spec is not None:
-            tome.apply_patch(model, method="downsample", **spec)
-        try:
+        with _pooled(model, spec):
             losses[name] = heldout_loss(model, heldout)
-        finally:
-            tome.remove_patch(model)
     ref = torch.stack(outs["unpooled"])
     t_ref = statistics.median(times["unpooled"])
     rows = []
