@@ -1,7 +1,10 @@
 """Stand-ins and fake clocks shared by the tests (one home: no test imports another).
 
 - ``Patcher``, ``self_attention_block``, ``forge_unet``: the ModelPatcher contract as the Forge
-  family and ComfyUI keep it (webui-host-contract.md), written from observed behaviour;
+  family and ComfyUI keep it (webui-host-contract.md), written from observed behaviour; the
+  model carries Forge's ``predictor`` (its noise schedule: ``percent_to_sigma``), and blocks
+  get the k-diffusion sigma a real sampler hands (``SD15_SIGMAS``: 4 Euler steps, normal
+  schedule, as real ComfyUI 0.8.0 and Forge Neo hand them);
 - ``FluxLike``: a DiT whose blocks never call the attn1 patches;
 - ``FakeClock``, ``fake_clock``: measuring clocks that answer per phase
   (``measure.PHASES``).
@@ -17,6 +20,31 @@ from models import TINY_SD15, ldm_unet
 
 from tome.measure import PHASES
 
+# The sigmas of 4 Euler steps with the normal schedule on SD1.5, as the real ComfyUI 0.8.0 and
+# Forge Neo hand them to the model (the last, 0, is never a model call).
+SD15_SIGMAS = (14.6146, 2.9183, 0.9324, 0.0292, 0.0)
+
+
+class Predictor:
+    """Forge's SD1.5 ``predictor`` (``backend/modules/k_prediction.py``) as it behaves: the
+    scaled-linear schedule's sigma per training timestep, ``percent_to_sigma(p)`` the sigma at
+    ``t = (1 - p) * 999`` (a huge number at 0, 0 at 1). Written from its behaviour."""
+
+    def __init__(self):
+        betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+        cumprod = torch.cumprod(1 - betas, 0)
+        self.log_sigmas = (((1 - cumprod) / cumprod) ** 0.5).log().float()
+
+    def percent_to_sigma(self, percent):
+        if percent <= 0.0:
+            return 999999999.9
+        if percent >= 1.0:
+            return 0.0
+        t = torch.tensor((1.0 - percent) * 999.0)
+        lo, hi = int(t.floor()), int(t.ceil())
+        w = float(t - lo)
+        return float(((1 - w) * self.log_sigmas[lo] + w * self.log_sigmas[hi]).exp())
+
 
 class Patcher:
     """Forge's UnetPatcher as the contract describes it: clones share the model; attn1
@@ -25,6 +53,7 @@ class Patcher:
     def __init__(self, diffusion_model):
         self.model = torch.nn.Module()
         self.model.diffusion_model = diffusion_model
+        self.model.predictor = Predictor()
         self.patches = {"attn1_patch": [], "attn1_output_patch": []}
         self.model_options = {"transformer_options": {}}
 
@@ -46,7 +75,8 @@ class Patcher:
         self.patches["attn1_output_patch"].append(fn)
 
 
-def self_attention_block(patcher, x, shape, sigma=1.0, cross=None, block=("input", 1), index=0):
+def self_attention_block(patcher, x, shape, sigma=SD15_SIGMAS[0], cross=None, block=("input", 1),
+                         index=0):
     """What Forge's BasicTransformerBlock does around attn1 (norm, patches, attention or its
     replacement). As in Forge, ``patches_replace`` is not among the patches' ``extra``."""
     n = F.layer_norm(x, x.shape[-1:])

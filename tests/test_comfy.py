@@ -21,7 +21,8 @@ if STUB not in sys.path:
 import comfy.utils  # noqa: E402
 import folder_paths  # noqa: E402
 from comfy.model_patcher import ModelPatcher  # noqa: E402
-from comfy.sampling import DiTModel, comfy_blocks, unet_call  # noqa: E402
+from comfy.model_sampling import ModelSamplingDiscrete, ModelSamplingFlux  # noqa: E402
+from comfy.sampling import DiTModel, comfy_blocks, ksample, unet_call  # noqa: E402
 from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
 from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
 from stubs import fake_clock  # noqa: E402
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def model(config=TINY_SD15):
     m = torch.nn.Module()
     m.diffusion_model = comfy_blocks(ldm_unet(config))
+    m.model_sampling = ModelSamplingDiscrete()
     return ModelPatcher(m)
 
 
@@ -47,7 +49,7 @@ def defaults(**changes):
     return {**values, **changes}
 
 
-def run(patcher, sigma=1.0, size=32):
+def run(patcher, sigma=14.6146, size=32):
     x, t, ctx = ldm_inputs(2, size, size)
     return unet_call(patcher, x, t, ctx, sigma)
 
@@ -315,11 +317,12 @@ def test_the_example_workflow_matches_the_nodes():
 
 # ----------------------------------------------------------------------------- DiTs (Flux)
 
-def flux_model(calls_patches=True):
+def flux_model(calls_patches=True, rope_always=False):
     from comfy.flux import FluxModel
     torch.manual_seed(0)
     m = torch.nn.Module()
-    m.diffusion_model = FluxModel(calls_patches=calls_patches).eval()
+    m.diffusion_model = FluxModel(calls_patches=calls_patches, rope_always=rope_always).eval()
+    m.model_sampling = ModelSamplingFlux(shift=1.15)
     return ModelPatcher(m)
 
 
@@ -347,15 +350,44 @@ def test_the_node_pools_a_flux_model_through_the_dit_call_form(lines, monkeypatc
     out = flux_run(ours)
     assert not torch.equal(out, ref) and torch.isfinite(out).all()
     assert torch.equal(flux_run(ours), out)  # same inputs, same bits
-    # 8x12 image tokens pooled 2x2 -> 4x6, after 5 text tokens; pe handed back as None
-    assert keys[:4] == [(5 + 24, None)] * 4
+    # 8x12 image tokens pooled 2x2 -> 4x6, after 5 text tokens; pe handed back as a rotation
+    # by nothing that broadcasts over any length (one position, a 2x2 identity per pair)
+    assert [n for n, _ in keys[:4]] == [5 + 24] * 4
+    pe = keys[0][1]
+    assert pe.shape[-4:] == (1, 8, 2, 2) and torch.equal(pe, torch.eye(2).expand_as(pe))
     assert torch.equal(flux_run(base), ref) and not mp.carried(base)[0]  # the input MODEL
 
 
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_a_host_that_rotates_what_the_patch_returns_gets_the_same_bits(rope):
+    """Upstream ComfyUI's Qwen-Image rotates q and k by the returned ``pe`` with no None
+    check: the answer must be valid there too, and give the bits of a host that checks."""
+    config = defaults(method="downsample", policy="fixed", rope=rope)
+    checks = nodes.ToMePatch().patch(flux_model(), **config)[0]
+    always_base = flux_model(rope_always=True)
+    always = nodes.ToMePatch().patch(always_base, **config)[0]
+    out = flux_run(always)
+    assert torch.isfinite(out).all() and not torch.equal(out, flux_run(always_base))
+    assert torch.equal(out, flux_run(checks))
+
+
 def test_dit_patch_matches_a_hand_written_reference():
-    """The DiT call form's answer against the maths: pooled cell means, rotations by the
-    stand-in's own embedding (of the mean positions for rope="pooled")."""
-    from comfy.flux import PosEmbed, rotate
+    """The DiT call form's answer against the maths: pooled cell means, and rotations
+    written out as complex multiplications by ``exp(i * position * theta^(-2j/d))`` per axis
+    (not the stand-in's or the library's 2x2 matrices), of the mean positions for
+    rope="pooled"."""
+    from comfy.flux import PosEmbed
+
+    axes = (4, 6, 6)
+
+    def rotate(x, ids):  # x [B, H, S, D], ids [B, S, 3]
+        angles = []
+        for i, d in enumerate(axes):
+            freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+            angles.append(ids[..., i].double()[..., None] * freqs)
+        turn = torch.polar(torch.ones(1, dtype=torch.float64), torch.cat(angles, -1))
+        pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * turn[:, None]).flatten(-2).float()
 
     from tome import layout as lay
     flux = flux_model().model.diffusion_model
@@ -373,14 +405,14 @@ def test_dit_patch_matches_a_hand_written_reference():
         return torch.cat([x[:, :, :t], torch.stack(cells, 2)], 2)
 
     mean_ids = torch.cat([ids[:, :t], pool(ids[:, None])[:, 0, t:]], 1)
-    for rope, expect_k in (("before", pool(rotate(k, pe))),
-                           ("pooled", rotate(pool(k), PosEmbed((4, 6, 6))(mean_ids)))):
+    for rope, expect_k in (("before", pool(rotate(k, ids))),
+                           ("pooled", rotate(pool(k), mean_ids))):
         patch = mp.DitAttn1Patch(ToMeConfig(method="downsample", rope=rope), lay.read(flux))
         out = patch.attn1(q, k, v, pe=pe, attn_mask=None, extra_options={
             "block_type": "double", "block_index": 0, "img_slice": [t, t + h * w],
             mp.LATENT_KEY: (2 * h, 2 * w), "sigmas": torch.tensor([1.0])})
-        assert out["pe"] is None
-        torch.testing.assert_close(out["q"], rotate(q, pe))
+        assert torch.equal(out["pe"], torch.eye(2).expand(1, 1, 1, 8, 2, 2))
+        torch.testing.assert_close(out["q"], rotate(q, ids), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(out["k"], expect_k, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(out["v"], pool(v))
 
@@ -428,3 +460,67 @@ def test_comfy_qwen_image_is_read_as_a_dit_and_diffusers_qwen_is_named():
     assert read.family == "comfy qwen-image" and [b.kind for b in read.blocks] == ["double"] * 3
     with pytest.raises(layout.UnsupportedModelError, match="QwenImageTransformer2DModel"):
         layout.read(qwen("diffusers.models.transformers.transformer_qwenimage"))
+
+
+# ----------------------------------------------------------------------------- the step window
+
+def merged_steps(patched, base, outs=None):
+    """Per model call of a 4-step KSampler: whether the output differs from the unpatched."""
+    x, _, ctx = ldm_inputs(2, 32, 32)
+    ref = ksample(base, x, ctx)
+    return [not torch.equal(a, b) for a, b in zip(ksample(patched, x, ctx), ref)]
+
+
+def test_the_stand_in_hands_the_sigmas_of_a_real_sampler():
+    from comfy.model_sampling import normal_sigmas
+    # 4 Euler steps, normal schedule, SD1.5, as the real ComfyUI 0.8.0 hands them
+    torch.testing.assert_close(normal_sigmas(ModelSamplingDiscrete(), 4),
+                               torch.tensor([14.6146, 2.9183, 0.9324, 0.0292, 0.0]),
+                               atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["merge", "downsample"])
+@pytest.mark.parametrize(("start", "end", "expect"), [
+    (0.0, 0.5, [True, True, False, False]),
+    (0.5, 1.0, [False, False, True, True]),
+    (0.0, 1.0, [True, True, True, True]),
+])
+def test_the_window_merges_its_part_of_the_steps(lines, method, start, end, expect):
+    """Steps at progress 0, 1/3, 2/3, 1 (sigmas 14.6, 2.92, 0.93, 0.03): the first half is the
+    first two. A sigma read as a 0-1000 timestep made every step look like the end."""
+    base = model()
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(method=method, policy="fixed",
+                                                       start=start, end=end))
+    assert merged_steps(ours, base) == expect
+    if end - start < 1:
+        assert f"steps {start:g}-{end:g} (sigma" in lines[-2]
+        assert lines[-1].startswith(f"ToMe: steps {start:g}-{end:g} (sigma ")
+        assert lines[-1].endswith("merging in 2 of 4 steps")
+        said = len(lines)
+        merged_steps(ours, base)  # a second run: its own line
+        assert len(lines) == said + 1 and lines[-1] == lines[said - 1]
+        assert getattr(ours, mp.MARK).report.steps() == f"steps {start:g}-{end:g}: merged " \
+                                                         "in 2 of 4 steps"
+
+
+def test_a_flux_window_is_cut_where_its_shifted_schedule_is():
+    """Flux's sigmas are shifted (4 steps: 1.0, 0.905, 0.760, 0.513): progress 0.45 is sigma
+    0.794, so the last two steps merge; 1 - sigma would have put only the last inside."""
+    from comfy.model_sampling import simple_sigmas
+    base = flux_model()
+    schedule = simple_sigmas(ModelSamplingFlux(shift=1.15), 4)
+    (late,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
+                                                       start=0.45))
+    merged = [not torch.equal(flux_run(late, sigma=float(s)), flux_run(base, sigma=float(s)))
+              for s in schedule[:-1]]
+    assert merged == [False, False, True, True]
+
+
+def test_without_model_sampling_the_window_uses_sds_schedule(lines):
+    base = model()
+    del base.model.model_sampling
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(policy="fixed", end=0.5))
+    x, t, ctx = ldm_inputs(2, 32, 32)
+    merged = [not torch.equal(unet_call(ours, x, t, ctx, s), unet_call(base, x, t, ctx, s))
+              for s in (14.6146, 2.9183, 0.9324, 0.0292)]
+    assert merged == [True, True, False, False]

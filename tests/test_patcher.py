@@ -205,3 +205,24 @@ def test_forge_measures_under_inference_mode_then_again_under_no_grad(tmp_path, 
         m = service.get(unet, (24, 24), 2, ToMeConfig(), runner=mp.run_block)
     assert m is not None and [s[:26] for s in said] == ["ToMe: measured 128x128 px,",
                                                         "ToMe: measured 192x192 px,"]
+
+
+@pytest.mark.parametrize("predictor", [True, False])
+@pytest.mark.parametrize(("start", "end", "expect"), [
+    (0.0, 0.5, [True, True, False, False]),
+    (0.5, 1.0, [False, False, True, True]),
+])
+def test_forge_window_in_sigmas(patcher, predictor, start, end, expect):
+    """Forge hands the k-diffusion sigma (SD15_SIGMAS: progress 0, 1/3, 2/3, 1): the window is
+    converted with the model's ``predictor`` (SD's own schedule where it has none)."""
+    from stubs import SD15_SIGMAS
+    if not predictor:
+        del patcher.model.predictor
+    unet, report = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, start=start, end=end))
+    x = torch.randn(2, 256, 8)
+    merged = [not torch.equal(self_attention_block(unet, x, (2, 4, 16, 16), sigma=s),
+                              self_attention_block(Patcher(None), x, (2, 4, 16, 16), sigma=s))
+              for s in SD15_SIGMAS[:-1]]
+    assert merged == expect
+    assert report.steps() == f"steps {start:g}-{end:g}: merged in 2 of 4 steps"
+    assert f"steps {start:g}-{end:g} (sigma " in report.summary()

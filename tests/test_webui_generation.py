@@ -700,3 +700,16 @@ def test_console_lines_start_on_their_own_line_under_a_progress_bar(capsys):
     out, err = capsys.readouterr()
     assert out == "ToMe: before\nToMe: during\n"
     assert err.split("1/2")[1].split("\r")[0].endswith("\n")  # the bar line was finished
+
+
+@pytest.mark.parametrize(("start", "end"), [(0.0, 0.5), (0.5, 1.0)])
+def test_the_window_says_which_steps_it_merged(webui, capsys, start, end):
+    """4 steps at timesteps 999, 666, 333, 0 (progress 0, 1/3, 2/3, 1): each half merges 2."""
+    res = webui.generate(tome=on(ratio=0.5, policy="fixed", start=start, end=end), steps=4)
+    full = webui.generate(tome=on(ratio=0.5, policy="fixed"), steps=4)
+    base = webui.baseline(steps=4)
+    assert not torch.equal(images(res), images(base))
+    assert not torch.equal(images(res), images(full))
+    assert "ToMe steps: first pass 2 of 4" in res.info
+    text = f"ToMe: first pass steps {start:g}-{end:g}: merged in 2 of 4 steps"
+    assert capsys.readouterr().out.count(text) == 1

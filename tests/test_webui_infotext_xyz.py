@@ -30,6 +30,7 @@ def ui_args(**named):
     base = dict(zip(settings.ARGS, [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
                                     True, True, False, False, "global", "level", "auto",
                                     "Custom", "pooled", "all"]))
+    base.update({n: getattr(settings.DEFAULT, n) for n in settings.LATER})  # later fields
     return [{**base, "enabled": True, **named}[n] for n in settings.ARGS]
 
 

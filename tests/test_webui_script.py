@@ -46,9 +46,12 @@ def test_loads_like_the_webui_and_registers_once(webui):
 def test_controls_follow_the_documented_order_and_types(webui):
     s = webui.script("txt2img")
     values = [c.value for c in s.controls]
-    assert values == [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
-                      True, True, False, False, "global", "level", "auto", "Custom", "pooled",
-                      "all"]
+    assert values[:21] == [False, 0.5, 2, 2, "auto", False, 0.0, "merge", 2, 0.0, 1.0,
+                           True, True, False, False, "global", "level", "auto", "Custom",
+                           "pooled", "all"]
+    # config fields added later: appended, each with its library default
+    assert settings.ARGS[21:] == settings.LATER
+    assert values[21:] == [getattr(settings.DEFAULT, n) for n in settings.LATER]
     assert [c.elem_id for c in s.controls[1:3]] == ["script_txt2img_tome_ratio",
                                                     "script_txt2img_tome_sx"]
     assert s.controls[0].accordion_id == "script_txt2img_tome_enabled"

@@ -235,9 +235,10 @@ def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
 
 def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     """Patch ``model`` with ``config`` and say what was done. Atomic: on any error the model
-    is left as it was. A model without UNet transformer blocks raises
-    ``UnsupportedModelError``; settings that merge no block of it are the report's
-    ``nothing`` (the hooks are in place and change nothing).
+    is left as it was. A model with neither UNet transformer blocks nor a DiT the layout reads
+    raises ``UnsupportedModelError``; settings that merge no block of it are the report's
+    ``nothing`` (settings that change nothing, e.g. ratio 0, leave the model unhooked, as the
+    attn1 patch does; a level the model lacks leaves hooks that change nothing).
 
     ``measurer``: for the ``auto`` policy, the measuring service
     (``measurements.Measurer``); the planner asks it at the first call of each latent size,
@@ -246,7 +247,9 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     layout = _layout.read(model)
     remove(layout.root)
     if layout.dit is not None:  # Flux, SD3: the attention processors pool image keys/values
-        return processors.apply(model, layout, config, measurer)
+        report = processors.apply(model, layout, config, measurer)
+        report.rope = layout.dit.rope
+        return report
     unet, method = layout.root, methods.get(config.method)
     replaced = _tomesd_patched(unet)
     if replaced:
@@ -256,6 +259,9 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
                          total_blocks=len(layout.blocks), replaced_tomesd=replaced,
                          adapter=HOOKS, unmergeable=layout.nothing_to_merge(
                              config.max_downsample))
+    if not config.active:  # as the attn1 patch answers: nothing to hook
+        report.unmergeable = "ToMe: these settings change nothing"
+        return report
     targets = []
     for b in layout.blocks:
         if b.level > max_ds:  # never merged: whatever else patches it is no concern of ours

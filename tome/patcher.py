@@ -8,6 +8,13 @@ self-attention, and an ``attn1`` output patch ``(n, extra_options) -> n`` right 
 ``transformer_options`` (``original_shape``, ``block``, ``sigmas``) in ``extra_options``. The
 host rebuilds the patched UNet before every sampling pass from its patcher.
 
+The step is known only by its k-diffusion sigma (14.6 down to 0.03 on SD1.5; 1 down to 0 on a
+flow-matching DiT), so the ``start``/``end`` window is converted once, at patch time, with the
+model's own ``percent_to_sigma`` (ComfyUI's ``model_sampling``, the Forge family's
+``predictor``): ``window_of``.
+
+The DiT call form of ComfyUI's Flux and Qwen-Image blocks is answered by ``DitAttn1Patch``.
+
 Differences from the hook-based patch, both forced by what the patcher exposes:
 - the similarity metric is the normalised block input ``norm1(x)`` (what ComfyUI's ToMe uses),
   not ``x`` itself, so results are close to, not equal to, the ldm patch;
@@ -24,7 +31,7 @@ import torch
 from . import dit
 from . import layout as _layout
 from .config import ToMeConfig
-from .plan import Call, Planner
+from .plan import Call, Planner, Window, discrete_percent_to_sigma, flow_percent_to_sigma
 from .report import ATTN1_PATCH, PatchReport
 
 # The latent's (height, width), put into ``transformer_options`` by a host layer that sees the
@@ -45,12 +52,13 @@ class Attn1Patch:
     """
 
     def __init__(self, config: ToMeConfig, max_downsample: int, levels: list[int],
-                 replacements: Callable[[], Mapping], measurer: Callable | None = None):
+                 replacements: Callable[[], Mapping], measurer: Callable | None = None,
+                 window: Window | None = None):
         self.config, self.max_downsample = config, max_downsample
         # The attn1 replacements of the patcher that samples (Forge keeps ``patches_replace``
         # out of ``extra_options``, and Self-Attention Guidance adds its own after us).
         self.replacements = replacements
-        self.planner = Planner(config, max_downsample, measurer, levels)
+        self.planner = Planner(config, max_downsample, measurer, levels, window=window)
         self.method = self.planner.method
         self.skipped: list[tuple[Any, str]] = []  # (block, reason), once per block, live
         self.plan: Any = None  # the plan of the block between attn1 and its output
@@ -125,25 +133,30 @@ class Attn1Patch:
 
 
 class DitAttn1Patch:
-    """The DiT call form of ComfyUI's Flux blocks (double and single stream): ``p(q, k, v,
-    pe=, attn_mask=, extra_options=)`` with ``[B, heads, S, D]`` tensors before RoPE, the
-    joint sequence ``[text, image]`` (``extra_options["img_slice"] = [text, end]``) and
-    ``block_type`` / ``block_index``; the block reads back ``q``, ``k``, ``v``, ``pe`` from
+    """The DiT call form of ComfyUI's Flux and Qwen-Image blocks (double and single stream):
+    ``p(q, k, v, pe=, attn_mask=, extra_options=)`` with ``[B, heads, S, D]`` tensors before
+    RoPE, the joint sequence ``[text, image]`` (``extra_options["img_slice"] = [text, end]``)
+    and ``block_type`` / ``block_index``; the block reads back ``q``, ``k``, ``v``, ``pe`` from
     the returned dict. Pooling answers with the queries rotated, the image keys (rotated, per
-    ``rope``) and values pooled, and ``pe=None`` so attention does not rotate again; anything
-    it cannot pool (a mask, a grid that does not fit, a block ``blocks`` leaves out, the step
-    window, the auto policy) is answered with ``{}``: the block runs as without us.
+    ``rope``) and values pooled, and ``pe`` an identity rotation that broadcasts over any
+    sequence length: valid where attention rotates only when ``pe`` is not None (Flux) and
+    where the block rotates what the patch returns unconditionally (upstream Qwen-Image).
+    Anything it cannot pool (a mask, a grid that does not fit: named in ``skipped``; a block
+    ``blocks`` leaves out, the step window, the auto policy) is answered with ``{}``: the block
+    runs as without us.
 
     A call starts when the first block seen comes round again (the form has no call hook);
     the grid comes from the latent under ``LATENT_KEY`` (image tokens past it, e.g. Kontext's
     reference latents, stay whole), else from a square image token count."""
 
-    def __init__(self, config: ToMeConfig, layout: _layout.Layout):
+    def __init__(self, config: ToMeConfig, layout: _layout.Layout, window: Window | None = None):
         self.config, self.dit = config, layout.dit
         self.method = dit.method_for(config)
         self.planner = Planner(config, layout.dit.patch, None, [layout.dit.patch],
-                               method=self.method)
+                               method=self.method, window=window)
         self.doubles = sum(b.kind == "double" for b in layout.blocks)
+        self.chosen = {i for i, b in enumerate(layout.blocks)
+                       if dit.selects(config.blocks, i, b.kind)}
         self.skipped: list[tuple[Any, str]] = []
         self.first: Any = None
         self.call: Call | None = None
@@ -159,6 +172,11 @@ class DitAttn1Patch:
             return (h, w) if h * w <= images else None
         side = int(images ** 0.5)
         return (side, side) if side * side == images else None
+
+    def _skip(self, block: Any, why: str) -> dict:
+        if not any(b == block for b, _ in self.skipped):
+            self.skipped.append((block, why))
+        return {}
 
     def attn1(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: Any = None, *,
               pe: Any = None, attn_mask: Any = None, extra_options: dict | None = None):
@@ -176,15 +194,15 @@ class DitAttn1Patch:
         if block == self.first or self.call is None:
             size = tuple(latent) if latent is not None else \
                 tuple(g * self.dit.patch for g in grid) if grid else None
-            sigma = extra_options.get("sigmas")
-            if isinstance(sigma, torch.Tensor):  # sigmas in [0, 1] -> the 0..1000 scale
-                sigma = sigma * self.dit.timestep_scale
             self.call = None if size is None else self.planner.begin(
-                size, q.device, sigma, q.shape[0])
+                size, q.device, extra_options.get("sigmas"), q.shape[0])
         position = index if kind == "double" else self.doubles + index
-        if self.call is None or grid is None or attn_mask is not None or q.dim() != 4 \
-                or not dit.selects(self.config.blocks, position, kind):
+        if self.call is None or position not in self.chosen:
             return {}
+        if attn_mask is not None:
+            return self._skip(block, "an attention mask (pooling would misalign it)")
+        if grid is None or q.dim() != 4:
+            return self._skip(block, "no image token grid in this call")
         h, w = grid
         plan = self.planner.plan(self.call, q.new_zeros(()).expand(q.shape[0], h * w, 1))
         if plan is None:
@@ -198,7 +216,48 @@ class DitAttn1Patch:
             pooled = plan.positions(pe, start, lambda e: dit.pool_rotations(
                 e, start, h, w, plan.factor))
             keys = dit.rotate(plan.pool(k, start, 2), pooled)
-        return {"q": dit.rotate(q, pe), "k": keys, "v": plan.pool(v, start, 2), "pe": None}
+        return {"q": dit.rotate(q, pe), "k": keys, "v": plan.pool(v, start, 2),
+                "pe": identity_rotation(pe)}
+
+
+def identity_rotation(pe: torch.Tensor) -> torch.Tensor:
+    """A rotation embedding like ComfyUI's ``pe`` (``[..., S, D/2, 2, 2]``) that turns nothing
+    and broadcasts over any sequence length (``S`` = 1, no memory: an expanded 2x2 identity).
+    ``1 * x + 0 * y`` is ``x`` exactly, so a host that rotates again changes no bit."""
+    eye = torch.eye(2, dtype=pe.dtype, device=pe.device)
+    return eye.expand(*pe.shape[:-4], 1, pe.shape[-3], 2, 2)
+
+
+def model_sampling(unet_patcher: Any) -> Any:
+    """The patched model's noise schedule object, or None: ComfyUI's ``model_sampling`` (through
+    ``get_model_object``, so a ModelSampling node's shift before ours counts), the Forge
+    family's ``predictor``."""
+    get = getattr(unet_patcher, "get_model_object", None)
+    if callable(get):
+        try:
+            found = get("model_sampling")
+        except Exception:  # noqa: BLE001 (Forge's patcher has no such object)
+            found = None
+        if hasattr(found, "percent_to_sigma"):
+            return found
+    model = getattr(unet_patcher, "model", None)
+    for name in ("model_sampling", "predictor"):
+        found = getattr(model, name, None)
+        if hasattr(found, "percent_to_sigma"):
+            return found
+    return None
+
+
+def window_of(unet_patcher: Any, config: ToMeConfig, flow: bool = False) -> Window | None:
+    """``config``'s start/end window as the sigmas the host hands the patch, converted with the
+    model's own ``percent_to_sigma`` (SD's discrete schedule, or an unshifted flow schedule for
+    a DiT, where the model has none); None for the whole pass."""
+    if config.start <= 0 and config.end >= 1:
+        return None
+    sampling = model_sampling(unet_patcher)
+    convert = sampling.percent_to_sigma if sampling is not None else \
+        flow_percent_to_sigma if flow else discrete_percent_to_sigma
+    return Window.sigmas(config.start, config.end, convert)
 
 
 def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -302,8 +361,9 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     blocks whose attn1 it replaces are left alone (``report.skipped`` fills while sampling).
     Without it, our clone's are used. Idempotent: Forge may call
     ``process_before_every_sampling`` twice for one pass, and a patcher that already carries
-    our patches is returned with its report. A model without UNet transformer blocks (a DiT)
-    raises ``UnsupportedModelError``; settings that merge nothing are the report's
+    our patches is returned with its report. A DiT the layout reads (ComfyUI's Flux,
+    Qwen-Image) gets ``DitAttn1Patch``; a model with neither UNet transformer blocks nor a
+    readable DiT raises ``UnsupportedModelError``; settings that merge nothing are the report's
     ``nothing``, and the patcher is returned unchanged. ``measurer``: a
     ``measurements.Measurer``; with the ``auto`` policy it measures the patcher's UNet (through
     ``run_block``) at the first call of each size, where the host has moved it to its device.
@@ -330,7 +390,7 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     measured = measurer.for_model(diffusion_model, config, run_block) \
         if measurer is not None else None
     patch = Attn1Patch(config, max_ds, sorted(levels), lambda: attn1_replacements(current()),
-                       measured)
+                       measured, window_of(unet_patcher, config))
     report.skipped, report.planner = patch.skipped, patch.planner
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)
@@ -350,6 +410,7 @@ def _patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     report = PatchReport(family=layout.family, config=config, max_downsample=p,
                          levels={p: len(chosen)} if chosen and method else {},
                          total_blocks=len(layout.blocks), adapter=ATTN1_PATCH, kind="DiT",
+                         rope=layout.dit.rope,
                          unmergeable=None if method else dit.no_form(config, layout.family))
     if method is not None and not chosen:
         report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
@@ -359,7 +420,7 @@ def _patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()
-    patch = DitAttn1Patch(config, layout)
+    patch = DitAttn1Patch(config, layout, window_of(unet_patcher, config, flow=True))
     report.skipped, report.planner = patch.skipped, patch.planner
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)

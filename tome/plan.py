@@ -17,6 +17,12 @@ starts (latent size, timestep), then transformer blocks run, each with a token s
 
 The forward path reads nothing back to the host (no ``.item()``, no ``float(tensor)``) except
 the timestep, once per call, and only when a ``start``/``end`` window needs it.
+
+The window is read in the units the host hands the model (``Window``): a 0-999 training
+timestep where the UNet is called with one (A1111's hooks, diffusers), a k-diffusion sigma on
+the ModelPatcher path (ComfyUI, the Forge family: 14.6 down to 0.03 on SD1.5, 1 down to 0 on
+a flow-matching DiT), converted with the model's own ``percent_to_sigma`` so a shifted flow
+schedule or a zero-terminal-SNR UNet is cut where its own sampler's progress is.
 """
 
 from __future__ import annotations
@@ -30,6 +36,66 @@ from . import merge, methods, policy
 from .config import ToMeConfig
 
 NUM_TRAIN_TIMESTEPS = 1000
+
+
+class Window:
+    """Which steps of a sampling pass merge (``config.start``/``end``), in the host's units.
+
+    ``Window(start, end)`` reads a 0-999 training timestep (progress ``1 - t / 1000``);
+    ``Window.sigmas(start, end, percent_to_sigma)`` reads a k-diffusion sigma, merging where
+    ``percent_to_sigma(end) <= sigma <= percent_to_sigma(start)`` (the host's own conversion,
+    as ComfyUI's and Forge's start/end percent patches do). ``seen`` counts the steps of the
+    latest pass, for the line that says ``merged in 2 of 4 steps``."""
+
+    def __init__(self, start: float, end: float, bounds: tuple[float, float] | None = None):
+        self.start, self.end = start, end
+        self.bounds = bounds  # (lowest, highest) sigma that merges; None: timesteps
+        self.merged = self.steps = 0
+        self._last: float | None = None
+
+    @classmethod
+    def sigmas(cls, start: float, end: float, percent_to_sigma: Callable[[float], Any]
+               ) -> Window:
+        return cls(start, end, (float(percent_to_sigma(end)), float(percent_to_sigma(start))))
+
+    @property
+    def full(self) -> bool:
+        """The window is the whole pass: no timestep is read."""
+        return self.start <= 0 and self.end >= 1
+
+    def inside(self, t: float) -> bool:
+        if self.bounds is None:
+            return self.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= self.end
+        return self.bounds[0] <= t <= self.bounds[1]
+
+    def seen(self, t: float, merged: bool) -> None:
+        """Count a call at ``t``: calls at the same noise level (cond and uncond, a second-order
+        sampler's correction) are one step; a noise level above the last starts a new pass."""
+        if t == self._last:
+            return
+        if self._last is None or t > self._last:
+            self.merged = self.steps = 0
+        self._last = t
+        self.steps += 1
+        self.merged += merged
+
+    def count(self, sigmas: Any) -> tuple[int, int]:
+        """``(steps inside, steps)`` of a sampler's schedule (the model is called at every
+        sigma but the last)."""
+        values = [float(s) for s in list(sigmas)[:-1]]
+        return sum(self.inside(s) for s in values), len(values)
+
+    def sigma_text(self) -> str:
+        """The window as the sigmas it merges between (ModelPatcher hosts), for a console line."""
+        if self.bounds is None:
+            return ""
+        lo, hi = self.bounds
+        return f"sigma {min(hi, 1e9):.3g} to {lo:.3g}"
+
+    def describe(self) -> str:
+        """``steps 0-0.5: merged in 2 of 4 steps`` (the counts once a pass has run)."""
+        text = f"steps {self.start:g}-{self.end:g}"
+        return text + (f": merged in {self.merged} of {self.steps} steps" if self.steps else "")
 
 
 def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
@@ -62,6 +128,31 @@ def seeded_partition(config: ToMeConfig, timestep: torch.Tensor | float | None, 
     return merge.partition(h, w, c.sx, c.sy, cells, device)
 
 
+def discrete_percent_to_sigma(percent: float) -> float:
+    """The sigma at ``percent`` of SD1/SD2/SDXL's schedule (scaled-linear betas 0.00085 to
+    0.012 over 1000 steps; the timestep ``(1 - percent) * 999``, log-sigma interpolated, as
+    ComfyUI and Forge convert it): for a ModelPatcher host whose model answers no
+    ``percent_to_sigma``."""
+    if percent <= 0:
+        return float("inf")
+    if percent >= 1:
+        return 0.0
+    betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, NUM_TRAIN_TIMESTEPS,
+                           dtype=torch.float64) ** 2
+    cumprod = torch.cumprod(1 - betas, 0)
+    log_sigmas = ((1 - cumprod) / cumprod).sqrt().log()
+    t = (1 - percent) * (NUM_TRAIN_TIMESTEPS - 1)
+    lo = int(t)
+    hi = min(lo + 1, NUM_TRAIN_TIMESTEPS - 1)
+    return float(((1 - (t - lo)) * log_sigmas[lo] + (t - lo) * log_sigmas[hi]).exp())
+
+
+def flow_percent_to_sigma(percent: float) -> float:
+    """A flow-matching DiT's sigma at ``percent`` without a shift (``1 - percent``): for a host
+    whose model answers no ``percent_to_sigma``."""
+    return min(max(1.0 - percent, 0.0), 1.0)
+
+
 class Call:
     """One UNet call: the latent size, the timestep (left on the device) and the plans shared
     by the blocks of this call."""
@@ -81,8 +172,11 @@ class Planner:
 
     def __init__(self, config: ToMeConfig, max_downsample: int,
                  measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None,
-                 levels: list[int] | tuple[int, ...] = (), method: methods.Method | None = None):
+                 levels: list[int] | tuple[int, ...] = (), method: methods.Method | None = None,
+                 window: Window | None = None):
         self.config, self.max_downsample = config, max_downsample
+        # The start/end window in the host's units (default: 0-999 timesteps).
+        self.window = window or Window(config.start, config.end)
         self.levels = sorted(levels)  # the model's levels that may merge (for ``announce``)
         # The config's method, or its DiT form (``dit.DitPool``) on a DiT.
         self.method = method or methods.get(config.method)
@@ -113,15 +207,19 @@ class Planner:
         kind = policy.device_kind(device)
         self.announce(size, kind)
         c = self.config
-        if c.start > 0 or c.end < 1:
+        if not self.window.full:
             if isinstance(timestep, torch.Tensor) and timestep.numel():
                 t = float(timestep.reshape(-1)[0])
             elif isinstance(timestep, (int, float)):
                 t = float(timestep)
             else:
                 t = None
-            if t is not None and not c.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= c.end:
-                return None
+            if t is not None:
+                inside = self.window.inside(t)
+                if not merge.compiling():
+                    self.window.seen(t, inside)
+                if not inside:
+                    return None
         return Call(size, timestep if c.use_rand else None, kind, self.measured.get(size))
 
     def prepare(self, size: tuple[int, int], batch: int, device: torch.device) -> None:

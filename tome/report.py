@@ -39,6 +39,8 @@ class PatchReport:
     planner: Any = field(default=None, repr=False)  # ``plan.Planner``: decisions, tokens
     unmergeable: str | None = None  # why the settings merge no level of this model
     kind: str = "UNet"  # or "DiT": its blocks' image keys/values are pooled
+    rope: bool = False  # a DiT with rotary positions (the ``rope`` option applies)
+
     @property
     def patched_blocks(self) -> int:
         return sum(self.levels.values())
@@ -70,20 +72,32 @@ class PatchReport:
 
     def coverage(self) -> str:
         """Hooks: ``5/16 blocks patched at downsample <= 1 (ds1: 5)``; the attn1 patch:
-        ``ratio 0.5 at downsample <= 1``; plus the step window."""
+        ``ratio 0.5 at downsample <= 1``; plus the step window (``steps 0-0.5``, and on a
+        ModelPatcher host the sigmas that bounds)."""
         c = self.config
         if self.kind == "DiT":
             text = f"{self.patched_blocks}/{self.total_blocks} blocks pooled (blocks {c.blocks}"
-            return text + (f", rope {c.rope})" if "flux" in self.family else ")") \
-                + (f", steps {c.start:g}-{c.end:g}" if c.start > 0 or c.end < 1 else "")
-        if self.adapter != HOOKS:
-            return f"{methods.get(c.method).describe(c)} at downsample <= {self.max_downsample}"
-        levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
-        text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
-                f"{self.max_downsample} ({levels})")
+            text += f", rope {c.rope})" if self.rope else ")"
+        elif self.adapter != HOOKS:
+            text = f"{methods.get(c.method).describe(c)} at downsample <= {self.max_downsample}"
+        else:
+            levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
+            text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
+                    f"{self.max_downsample} ({levels})")
+        window = self.planner.window if self.planner is not None else None
         if c.start > 0 or c.end < 1:
             text += f", steps {c.start:g}-{c.end:g}"
+            if window is not None and window.sigma_text():
+                text += f" ({window.sigma_text()})"
         return text
+
+    def steps(self) -> str | None:
+        """``steps 0-0.5: merged in 2 of 4 steps`` once a pass has run with a start/end window;
+        None without a window or before any step."""
+        window = self.planner.window if self.planner is not None else None
+        if window is None or window.full or not window.steps:
+            return None
+        return window.describe()
 
     def summary(self) -> str:
         text = (f"ToMe: {self.family} {self.kind}, "

@@ -21,7 +21,11 @@ DEFAULT = ToMeConfig(policy="auto")
 # In the node's order; the advanced ones are optional inputs (ComfyUI shows them all).
 MAIN = ("method", "ratio", "downsample_factor", "max_downsample", "sx", "sy", "use_rand",
         "seed", "start", "end", "policy")
-ADVANCED = ("merge_crossattn", "merge_mlp", "matching", "share", "rope", "blocks")
+# Config fields added later join the advanced inputs in their declaration order (merge_attn
+# is no input: the node always merges self-attention).
+_ADVANCED = ("merge_crossattn", "merge_mlp", "matching", "share", "rope", "blocks")
+ADVANCED = _ADVANCED + tuple(name for name in FIELDS
+                             if name not in (*MAIN, *_ADVANCED, "merge_attn"))
 # What a preset leaves to the node: the seed of the random destinations.
 PRESET_KEEPS = ("seed",)
 SEED_MAX = 0xFFFFFFFFFFFFFFFF  # as ComfyUI's samplers

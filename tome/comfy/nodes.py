@@ -38,6 +38,8 @@ class SamplingGuard:
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
         self.dit: patcher.DitAttn1Patch | None = None  # a DiT's patch: told its latent size
         self.silent_told = False
+        self.window: Any = None  # the patch's ``plan.Window`` when start/end cut the pass
+        self._first_sigma: float | None = None  # the sigma of the pass's first step, told
 
     def __deepcopy__(self, memo: dict) -> SamplingGuard:
         return self  # one guard per node run, whatever copies the options it sits in
@@ -47,6 +49,7 @@ class SamplingGuard:
         positional = len(args) > 5  # UNetModel.forward(x, timesteps, context, y, control, to)
         options = args[5] if positional else kwargs.get("transformer_options")
         if isinstance(options, dict):
+            self._tell_window(options)
             options = self._without_tomesd(options)
             x = args[0] if args else kwargs.get("x")
             if self.dit is not None and hasattr(x, "shape"):
@@ -63,6 +66,23 @@ class SamplingGuard:
                      "0.8.0's Flux does not; later versions do), so nothing is pooled; update "
                      "ComfyUI to pool image keys/values")
         return out
+
+    def _tell_window(self, options: dict) -> None:
+        """At a pass's first step, one line: which of its steps the start/end window merges
+        (from the sampler's schedule, ``sample_sigmas``)."""
+        schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
+        if self.window is None or schedule is None or sigma is None or len(schedule) < 2:
+            return
+        first, now = float(schedule[0]), float(sigma.reshape(-1)[0])
+        if now != first:
+            self._first_sigma = None
+            return
+        if self._first_sigma == first:  # the same step again (cond and uncond apart)
+            return
+        self._first_sigma = first
+        inside, steps = self.window.count(schedule)
+        self.say(f"ToMe: steps {self.window.start:g}-{self.window.end:g} "
+                 f"({self.window.sigma_text()}): merging in {inside} of {steps} steps")
 
     def _without_tomesd(self, options: dict) -> dict:
         patches = options.get("patches") or {}
@@ -112,6 +132,8 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     carried_patch = getattr(clone, patcher.MARK, None)
     if isinstance(carried_patch, patcher.DitAttn1Patch):
         guard.dit = carried_patch
+    if not report.planner.window.full:
+        guard.window = report.planner.window
     if hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
     if config.policy == "auto":

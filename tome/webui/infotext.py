@@ -27,13 +27,14 @@ HR_RATIO = "ToMe hr ratio"
 # image reproduces on any machine, whatever that machine would measure).
 PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
 SKIPPED = "ToMe skipped"
+STEPS = "ToMe steps"  # which steps the start/end window merged, per pass
 AUTO = "ToMe auto"
 MERGED = "ToMe merged"
 # arg name -> infotext key, for every positional argument except ``enabled``.
 KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO, "preset": PRESET}
 # The keys that say how an image was merged (pasting them back turns ToMe on).
 SETTINGS_KEYS = (*KEYS.values(), AUTO, MERGED)
-ALL_KEYS = (*SETTINGS_KEYS, SKIPPED)
+ALL_KEYS = (*SETTINGS_KEYS, SKIPPED, STEPS)
 _LIBRARY = ToMeConfig()
 
 

@@ -116,6 +116,18 @@ class Voice:
         params[infotext.AUTO] = " | ".join(self.auto.values())
         params[infotext.MERGED] = infotext.merged_text(self.merged)
 
+    def window_steps(self, p: Any, windows: dict[str, Any]) -> None:
+        """After sampling, per pass with a start/end window (``plan.Window``): which steps it
+        merged, on the console (``first pass steps 0-0.5: merged in 2 of 4 steps``, once) and
+        in the infotext note (``first pass 2 of 4``), so a window that merged nothing shows."""
+        counted = {name: w for name, w in windows.items() if w.steps}
+        if not counted:
+            return
+        for name, w in counted.items():
+            self.say(f"ToMe: {PASS_LABELS[name]} {w.describe()}")
+        p.extra_generation_params[infotext.STEPS] = " | ".join(
+            f"{PASS_LABELS[name]} {w.merged} of {w.steps}" for name, w in counted.items())
+
     def skipped_blocks(self, p: Any, skipped: list[tuple[Any, str]]) -> None:
         """Blocks another extension has taken over are left alone: one infotext note, and one
         console line unless the summary line already said it."""

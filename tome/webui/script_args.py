@@ -24,10 +24,13 @@ from ..config import FIELDS, PRESETS, ToMeConfig, check_ratio, coerce, preset
 # Set by the X/Y/Z plot's ToMe axes on a cell's copy of ``p``: {setting: value}.
 XYZ_ATTR = "_tome_xyz"
 # The positional order of the script's arguments: the API contract. Append only, never reorder.
-ARGS = ("enabled", "ratio", "sx", "sy", "max_downsample", "hires_only", "hr_ratio",
-        "method", "downsample_factor", "start", "end",
-        "use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "matching",
-        "share", "policy", "preset", "rope", "blocks")
+# Config fields added later are appended in their declaration order (``LATER``).
+_FIRST = ("enabled", "ratio", "sx", "sy", "max_downsample", "hires_only", "hr_ratio",
+          "method", "downsample_factor", "start", "end",
+          "use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "matching",
+          "share", "policy", "preset", "rope", "blocks")
+LATER = tuple(name for name in FIELDS if name not in _FIRST and name != "seed")
+ARGS = _FIRST + LATER
 
 # The seed comes from the image seed; every other config field is a script setting.
 CONFIG_KEYS = tuple(name for name in FIELDS if name != "seed")

@@ -15,7 +15,8 @@ from typing import Any
 from .. import methods
 from ..config import FIELDS, PRESETS, choices, preset, ratio_limit
 from . import infotext
-from .script_args import ARGS, CONFIG_KEYS, DEFAULT, PRESET_CHOICES, control_values, preset_key
+from .script_args import (ARGS, CONFIG_KEYS, DEFAULT, LATER, PRESET_CHOICES, control_values,
+                          preset_key)
 
 _DEFAULTS = control_values(DEFAULT)  # the controls' defaults: the library's, policy auto
 
@@ -78,6 +79,22 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
         c[name] = gr.Checkbox(value=_DEFAULTS[name] if value is None else value,
                               label=LABELS[name], elem_id=script.elem_id(name))
 
+    def textbox(name: str) -> None:
+        c[name] = gr.Textbox(value=_DEFAULTS[name], label=LABELS[name],
+                             elem_id=script.elem_id(name), max_lines=1)
+
+    def control(name: str) -> None:
+        """The control a config field's metadata and default call for."""
+        meta, default = FIELDS[name].metadata, _DEFAULTS[name]
+        if "choices" in meta:
+            radio(name)
+        elif isinstance(default, bool):
+            checkbox(name)
+        elif isinstance(default, str):
+            textbox(name)
+        else:
+            slider(name)
+
     # The layout is free to change; the returned order (ARGS) is not.
     with _input_accordion(LABELS["enabled"], script.elem_id("enabled")) as enabled:
         c["enabled"] = enabled
@@ -107,8 +124,10 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
                 radio("share")
             with gr.Row():  # DiTs (Flux, SD3) only
                 radio("rope")
-                c["blocks"] = gr.Textbox(value=_DEFAULTS["blocks"], label=LABELS["blocks"],
-                                         elem_id=script.elem_id("blocks"), max_lines=1)
+                textbox("blocks")
+            with gr.Row():  # fields added later, each as its metadata says
+                for name in LATER:
+                    control(name)
 
     def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
         top = ratio_limit(max(1, int(sx)), max(1, int(sy)))

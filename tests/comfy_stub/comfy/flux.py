@@ -13,6 +13,9 @@ code.
   extra_options=options)`` and reads back ``q``, ``k``, ``v``, ``pe`` from the returned
   dict (``out.get("q", q)``); ``attention(q, k, v, pe)`` rotates q and k only when ``pe``
   is not None. ``calls_patches=False`` is ComfyUI 0.8.0's Flux (its blocks call no patches).
+- ``rope_always=True`` is upstream ComfyUI's Qwen-Image after its attn1 patches: it rotates
+  the queries and keys by the ``pe`` the patches hand back with no None check
+  (``apply_rope1(q, pe)``, ``apply_rope1(k, pe)``), so a ``pe`` of None fails there.
 """
 
 import math
@@ -54,18 +57,21 @@ def _heads(t, heads):
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _patched(q, k, v, pe, options, calls_patches):
+def _patched(q, k, v, pe, options, calls_patches, rope_always=False):
     if calls_patches:
         for p in options.get("patches", {}).get("attn1_patch", []):
             out = p(q, k, v, pe=pe, attn_mask=None, extra_options=options)
             q, k, v, pe = out.get("q", q), out.get("k", k), out.get("v", v), out.get("pe", pe)
+    if rope_always:
+        q, k = rotate(q, pe), rotate(k, pe)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
     return attention(q, k, v, pe)
 
 
 class DoubleBlock(torch.nn.Module):
-    def __init__(self, dim, heads, calls_patches):
+    def __init__(self, dim, heads, calls_patches, rope_always=False):
         super().__init__()
-        self.heads, self.calls_patches = heads, calls_patches
+        self.heads, self.calls_patches, self.rope_always = heads, calls_patches, rope_always
         self.img_qkv, self.txt_qkv = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, 3 * dim)
         self.img_out, self.txt_out = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
 
@@ -73,32 +79,33 @@ class DoubleBlock(torch.nn.Module):
         iq, ik, iv = (_heads(t, self.heads) for t in self.img_qkv(img).chunk(3, -1))
         tq, tk, tv = (_heads(t, self.heads) for t in self.txt_qkv(txt).chunk(3, -1))
         q, k, v = (torch.cat(p, dim=2) for p in ((tq, iq), (tk, ik), (tv, iv)))
-        out = _patched(q, k, v, pe, options, self.calls_patches)
+        out = _patched(q, k, v, pe, options, self.calls_patches, self.rope_always)
         n = txt.shape[1]
         return img + self.img_out(out[:, n:]), txt + self.txt_out(out[:, :n])
 
 
 class SingleBlock(torch.nn.Module):
-    def __init__(self, dim, heads, calls_patches):
+    def __init__(self, dim, heads, calls_patches, rope_always=False):
         super().__init__()
-        self.heads, self.calls_patches = heads, calls_patches
+        self.heads, self.calls_patches, self.rope_always = heads, calls_patches, rope_always
         self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
 
     def forward(self, x, pe, options):
         q, k, v = (_heads(t, self.heads) for t in self.qkv(x).chunk(3, -1))
-        return x + self.out(_patched(q, k, v, pe, options, self.calls_patches))
+        return x + self.out(_patched(q, k, v, pe, options, self.calls_patches,
+                                     self.rope_always))
 
 
 class FluxModel(torch.nn.Module):
     def __init__(self, channels=4, context_dim=12, dim=32, heads=2, double=2, single=2,
-                 axes=(4, 6, 6), calls_patches=True):
+                 axes=(4, 6, 6), calls_patches=True, rope_always=False):
         super().__init__()
         self.img_in = torch.nn.Linear(4 * channels, dim)
         self.txt_in = torch.nn.Linear(context_dim, dim)
         self.double_blocks = torch.nn.ModuleList(
-            [DoubleBlock(dim, heads, calls_patches) for _ in range(double)])
+            [DoubleBlock(dim, heads, calls_patches, rope_always) for _ in range(double)])
         self.single_blocks = torch.nn.ModuleList(
-            [SingleBlock(dim, heads, calls_patches) for _ in range(single)])
+            [SingleBlock(dim, heads, calls_patches, rope_always) for _ in range(single)])
         self.pe_embedder = PosEmbed(axes)
         self.final = torch.nn.Linear(dim, 4 * channels)
 

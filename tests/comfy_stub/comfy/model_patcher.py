@@ -47,5 +47,9 @@ class ModelPatcher:
     def set_model_attn1_replace(self, patch, block_name, number, transformer_index=None):
         self.set_model_patch_replace(patch, "attn1", block_name, number, transformer_index)
 
+    def get_model_object(self, name):
+        """An attribute of the model (``model_sampling``, ``diffusion_model``, ...)."""
+        return getattr(self.model, name)
+
     def add_wrapper_with_key(self, wrapper_type, key, wrapper):
         self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)

@@ -1,8 +1,11 @@
 """One UNet call as ComfyUI 0.8.0 makes it, and its blocks' attn1 contract.
 
-- ``unet_call(patcher, x, timesteps, context, sigma)``: ``transformer_options`` built from the
-  patcher's ``model_options`` (patches, replacements), plus ``sigmas`` and the patcher's
-  wrappers; the ``diffusion_model`` wrappers run around the UNet's forward, which sets
+- ``unet_call(patcher, x, timesteps, context, sigma, schedule)``: ``transformer_options`` built
+  from the patcher's ``model_options`` (patches, replacements), plus ``sigmas`` (this step's
+  k-diffusion sigma: 14.6 down to 0.03 on SD1.5), ``sample_sigmas`` (the sampler's whole
+  schedule, ending with 0) and the patcher's wrappers;
+- ``ksample(patcher, x, context, steps)``: the calls of a KSampler (Euler, normal schedule)
+  from the model's ``model_sampling``; the ``diffusion_model`` wrappers run around the UNet's forward, which sets
   ``original_shape``; every transformer block then gets ``block`` ``(side, number)`` and
   ``block_index``.
 - ``comfy_blocks(unet)``: an ldm UNet's ``BasicTransformerBlock``s with ComfyUI's attn1
@@ -38,8 +41,10 @@ class _Executor:
         return self.wrappers[self.idx](self, *args, **kwargs)
 
 
-def unet_call(patcher, x, timesteps, context, sigma=1.0):
+def unet_call(patcher, x, timesteps, context, sigma=14.6146, schedule=None):
     options = dict(patcher.model_options.get("transformer_options", {}))
+    if schedule is not None:
+        options["sample_sigmas"] = schedule
     options["patches"] = {k: list(v) for k, v in options.get("patches", {}).items()}
     wrappers = {}
     for kind, keyed in patcher.wrappers.items():
@@ -59,6 +64,19 @@ def unet_call(patcher, x, timesteps, context, sigma=1.0):
             _current.pop()
 
     return _Executor(forward, around).execute(x, timesteps, context, None, None, options)
+
+
+def ksample(patcher, x, context, steps=4):
+    """Euler sampling as a KSampler runs it (normal schedule from the model's
+    ``model_sampling``; cond and uncond in one batch); the outputs of every model call."""
+    from comfy.model_sampling import normal_sigmas
+    sampling = patcher.get_model_object("model_sampling")
+    schedule = normal_sigmas(sampling, steps)
+    outs = []
+    for sigma in schedule[:-1]:
+        t = sampling.timestep(sigma.reshape(1)).float().expand(x.shape[0])
+        outs.append(unet_call(patcher, x, t, context, float(sigma), schedule))
+    return outs
 
 
 def _where(name):
