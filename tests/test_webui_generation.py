@@ -713,3 +713,27 @@ def test_the_window_says_which_steps_it_merged(webui, capsys, start, end):
     assert "ToMe steps: first pass 2 of 4" in res.info
     text = f"ToMe: first pass steps {start:g}-{end:g}: merged in 2 of 4 steps"
     assert capsys.readouterr().out.count(text) == 1
+
+
+@pytest.mark.measure
+def test_measure_now_on_a1111_sd3_times_its_blocks(monkeypatch, tmp_path, capsys):
+    """A1111's SD3 (an MMDiT): downsample is timed through its own blocks; merge, which has no
+    DiT form, gets a row saying so; the page renders (it used to raise on an empty plot)."""
+    import mmdit_stub
+
+    calls = _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=True)
+    model = tiny_model()
+    model.model.diffusion_model = mmdit_stub.MMDiT().eval()
+    WebUI(model)
+    page = _measure_now()
+    assert calls
+    assert page.count("<tr><td>downsample</td>") == 3 and "<svg" in page
+    assert page.count("<tr><td>merge</td>") == 3
+    assert page.count("skipped: merge has no DiT form; downsample pools") == 3
+    assert "Traceback" not in capsys.readouterr().out
+
+
+def test_measure_now_plot_of_nothing_is_empty():
+    from tome.webui import measure_now
+    assert measure_now.plot([]) == ""
+    assert "Nothing measured" in measure_now.render([], [("merge", 512, "why")])

@@ -231,6 +231,13 @@ def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
             h.remove()
 
 
+def block_runner(layout: _layout.Layout) -> Any:
+    """How a block of this model runs merged for measuring under the hooks contract: the
+    hooks' ``run_block`` for a UNet, the attention processors' runner for a DiT (its blocks
+    take the joint call, not ``(x, context)``)."""
+    return processors.runner(layout) if layout.dit is not None else run_block
+
+
 # ----------------------------------------------------------------------------- public API
 
 def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:

@@ -169,7 +169,7 @@ def measurable(model: Any) -> tuple[Any, Any]:
     if reason is not None:
         raise UnsupportedModelError(f"ToMe: {reason}")
     if not forge(model):
-        return read(model), patch.run_block
+        return read(model), patch.block_runner(read(model))
     unet_patcher = model.forge_objects.unet
     layout = read(getattr(unet_patcher, "model", None))
     load_for_sampling(unet_patcher)

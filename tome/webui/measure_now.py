@@ -12,7 +12,7 @@ import html
 from typing import Any
 
 from .. import methods, policy
-from ..layout import UnsupportedModelError
+from ..layout import UnsupportedModelError, read
 from ..measure import Measurement
 from ..measurements import Measurer
 from . import host, narrate
@@ -47,9 +47,19 @@ def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurem
                              runner=run_block)
             if m is None:
                 missed.append((name, px, measurer.reason or "not measured"))
+            elif not m.rows:  # e.g. merge on a DiT: no block this method reaches
+                missed.append((name, px, _why_empty(unet, cfg)))
             else:
                 found.append(m)
     return render(found, missed), found
+
+
+def _why_empty(model: Any, cfg: Any) -> str:
+    """Why a measurement has no row: the report of patching with ``cfg`` says it (a method
+    without a DiT form, settings that reach no block)."""
+    if read(model).dit is not None and cfg.method != "downsample":
+        return f"{cfg.method} has no DiT form; downsample pools this model's image keys/values"
+    return f"no block of this model is merged by {cfg.method}"
 
 
 def render(found: list[Measurement], missed: list[tuple[str, int, str]] = ()) -> str:
@@ -84,6 +94,8 @@ def plot(found: list[Measurement], width: int = 520, height: int = 260) -> str:
     for m in found:
         if m.rows:
             points.setdefault(m.method, []).append((m.latent[1] * 8, m.rows[0].speedup))
+    if not points:
+        return ""
     xs = [x for pts in points.values() for x, _ in pts]
     ys = [y for pts in points.values() for _, y in pts] + [1.0, 1.0 + policy.MARGIN]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
