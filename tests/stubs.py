@@ -1,10 +1,11 @@
 """Stand-ins and fake clocks shared by the tests (one home: no test imports another).
 
 - ``Patcher``, ``self_attention_block``, ``forge_unet``: the ModelPatcher contract as the Forge
-  family and ComfyUI keep it (webui-host-contract.md), written from observed behaviour; the
-  model carries Forge's ``predictor`` (its noise schedule: ``percent_to_sigma``), and blocks
-  get the k-diffusion sigma a real sampler hands (``SD15_SIGMAS``: 4 Euler steps, normal
-  schedule, as real ComfyUI 0.8.0 and Forge Neo hand them);
+  family and ComfyUI keep it (docs/webui.md, "What happens during a generation"), written
+  from observed behaviour; the model carries Forge's ``predictor`` (its noise schedule:
+  ``percent_to_sigma``), and blocks get the k-diffusion sigma a real sampler hands
+  (``SD15_SIGMAS``: 4 Euler steps, normal schedule, as real ComfyUI 0.8.0 and Forge Neo hand
+  them);
 - ``FluxLike``: a DiT whose blocks never call the attn1 patches;
 - ``FakeClock``, ``fake_clock``: measuring clocks that answer per phase
   (``measure.PHASES``).
@@ -96,7 +97,7 @@ def self_attention_block(patcher, x, shape, sigma=SD15_SIGMAS[0], cross=None, bl
 def forge_unet():
     """The tiny UNet with Forge's block contract: ``forward(x, context, transformer_options)``
     calling ``patches["attn1_patch"]`` with (n, k, v) right before attn1 and
-    ``patches["attn1_output_patch"]`` right after (webui-host-contract.md; Forge Classic's
+    ``patches["attn1_output_patch"]`` right after (docs/webui.md; Forge Classic's
     ``ldm_patched`` block behaves the same)."""
     from ldm.modules.attention import BasicTransformerBlock
 

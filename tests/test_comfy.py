@@ -118,13 +118,16 @@ def test_clones_share_one_patch():
     assert copy.deepcopy(guard) is guard
 
 
-def test_a_dit_passes_through_with_one_line(lines):
+def test_a_model_it_cannot_read_passes_through_with_one_line(lines):
+    """A DiT with no reader (the stand-in's generic ``DiTModel``): named, passed through."""
     m = torch.nn.Module()
     m.diffusion_model = DiTModel()
     dit = ModelPatcher(m)
     (out,) = nodes.ToMePatch().patch(dit, **defaults())
-    assert out is dit and len(lines) == 1 and "passes through unchanged" in lines[0]
-    assert "not supported" in lines[0] or "no UNet" in lines[0] or "DiTModel" in lines[0]
+    assert out is dit and len(lines) == 1
+    assert lines[0].startswith("ToMe: DiTModel has no UNet transformer blocks to merge and is "
+                               "not a DiT it can pool")
+    assert lines[0].endswith("; the model passes through unchanged")
 
 
 def test_the_dit_call_form_is_answered_with_a_dict():
@@ -264,6 +267,15 @@ def test_measure_node_returns_a_table_and_an_image(user_dir, lines):
         nodes.ToMeMeasure().measure(model(), "512, big")
     with pytest.raises(ValueError, match="multiple of 8"):
         measure_node.parse_sizes("500")
+
+
+def test_measure_node_on_flux_says_why_each_row_is_not_measured(user_dir, lines):
+    """It used to answer ``AttributeError: 'DoubleBlock' object has no attribute 'x_block'``
+    for both methods."""
+    text, image = nodes.ToMeMeasure().measure(flux_model(), "512, 1024")["result"]
+    rows = [line for line in text.splitlines() if "skipped: not measured: this host's DiT" in line]
+    assert len(rows) == 2 * 2 and "Error" not in text
+    assert image.shape[0] == 1 and image.shape[-1] == 3
 
 
 def _load_pack(code: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from stubs import fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
@@ -373,18 +374,11 @@ def test_a_compiled_sd3_is_one_graph(sd3):
 
 # ----------------------------------------------------------------------------- auto policy
 
-def _clock(speedup):
-    def clock(phase, fn):
-        fn()
-        return {"unmerged": 1.0, "build": 0.0, "merged": 1.0 / speedup}[phase]
-    return clock
-
-
 @pytest.mark.parametrize("speedup,merged", [(1.5, True), (1.01, False)])
 def test_auto_policy_measures_a_dit_per_size_and_decides(flux, tmp_path, speedup, merged):
     lines = []
     service = Measurer(MeasurementCache(tmp_path / "m.json", say=lines.append),
-                       say=lines.append, clock=_clock(speedup), rounds=3)
+                       say=lines.append, clock=fake_clock(speedup), rounds=3)
     inputs = flux_inputs()
     ref = run(flux, inputs)
     tome.apply_patch(flux, method="downsample", policy="auto", measure=service)
@@ -533,7 +527,7 @@ def test_a1111_sd3_auto_policy_measures_its_blocks(tmp_path):
     import mmdit_stub
     model = mmdit_stub.MMDiT().eval()
     service = Measurer(MeasurementCache(tmp_path / "m.json", say=print), say=print,
-                       clock=_clock(2.0), rounds=3)
+                       clock=fake_clock(2.0), rounds=3)
     tome.apply_patch(model, method="downsample", policy="auto", measure=service)
     try:
         with torch.no_grad():

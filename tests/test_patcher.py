@@ -1,5 +1,5 @@
 """The ModelPatcher adapter, against a stand-in of the patcher contract the Forge family and
-ComfyUI share (webui-host-contract.md):
+ComfyUI share (docs/webui.md, "What happens during a generation"):
 ``clone()``, ``set_model_attn1_patch(fn(n, k, v, extra))``, ``set_model_attn1_output_patch(fn(n,
 extra))``, and a block that calls them around self-attention with ``extra["original_shape"]``."""
 

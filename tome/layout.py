@@ -137,7 +137,12 @@ def attention(block: nn.Module) -> nn.Module:
     """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks, the image
     block's ``attn`` in A1111's MMDiT."""
     found = getattr(block, "attn1", None) or getattr(block, "attn", None)
-    return found if found is not None else block.x_block.attn
+    if found is None:
+        found = getattr(getattr(block, "x_block", None), "attn", None)
+    if found is None:  # e.g. ComfyUI's Flux blocks (img_attn, txt_attn): not timed this way
+        raise UnsupportedModelError(f"ToMe: {type(block).__name__} has no attention module "
+                                    "this version can time")
+    return found
 
 
 def channels(block: nn.Module) -> int:

@@ -271,6 +271,17 @@ def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: to
     return (queries, queries, queries) if self_attention else (queries, k, v)
 
 
+def block_runner(layout: _layout.Layout) -> Callable | None:
+    """How a block of this model runs merged for measuring under the ModelPatcher contract:
+    ``run_block`` for a UNet; None for a DiT, whose blocks are not timed through this contract
+    (the auto policy's token thresholds decide there)."""
+    return run_block if layout.dit is None else None
+
+
+NOT_TIMED = ("this host's DiT blocks are not timed through its patch contract; the auto "
+             "policy's token thresholds decide on DiTs")
+
+
 def run_block(block: Any, x: torch.Tensor, context: torch.Tensor | None, planner: Planner,
               plan: Any, where: tuple = ("input", 1)) -> Any:
     """Run a Forge ``BasicTransformerBlock`` with ``plan`` applied through its patcher

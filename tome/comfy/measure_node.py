@@ -51,14 +51,18 @@ def run(model: Any, sizes: list[int], service: Measurer,
         line = f"{e}; nothing to measure"
         service.say(line)
         return line, plot([])
-    device = load(model)
+    runner = patcher.block_runner(layout)
+    device = load(model) if runner is not None else None
     found: list[Measurement] = []
     missed: list[tuple[str, int, str]] = []
     for name in methods.names():  # each with its defaults (ToDo: x2)
         cfg = DEFAULT.replace(method=name)
         for px in sizes:
+            if runner is None:
+                missed.append((name, px, f"not measured: {patcher.NOT_TIMED}"))
+                continue
             m = service.get(layout, (px // 8, px // 8), BATCH, cfg, device=device,
-                            runner=patcher.run_block)
+                            runner=runner)
             if m is None:
                 missed.append((name, px, service.reason or "not measured"))
             else:

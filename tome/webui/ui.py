@@ -15,8 +15,15 @@ from typing import Any
 from .. import methods
 from ..config import FIELDS, PRESETS, choices, preset, ratio_limit
 from . import infotext
-from .script_args import (ARGS, CONFIG_KEYS, DEFAULT, LATER, PRESET_CHOICES, control_values,
-                          preset_key)
+from .script_args import (
+    ARGS,
+    CONFIG_KEYS,
+    DEFAULT,
+    LATER,
+    PRESET_CHOICES,
+    control_values,
+    preset_key,
+)
 
 _DEFAULTS = control_values(DEFAULT)  # the controls' defaults: the library's, policy auto
 

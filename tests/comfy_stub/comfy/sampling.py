@@ -4,8 +4,9 @@
   from the patcher's ``model_options`` (patches, replacements), plus ``sigmas`` (this step's
   k-diffusion sigma: 14.6 down to 0.03 on SD1.5), ``sample_sigmas`` (the sampler's whole
   schedule, ending with 0) and the patcher's wrappers;
-- ``ksample(patcher, x, context, steps)``: the calls of a KSampler (Euler, normal schedule)
-  from the model's ``model_sampling``; the ``diffusion_model`` wrappers run around the UNet's forward, which sets
+- ``ksample(patcher, x, context, steps)``: the model calls of a KSampler (Euler, normal
+  schedule from the model's ``model_sampling``), each on the same latent.
+- The ``diffusion_model`` wrappers run around the UNet's forward, which sets
   ``original_shape``; every transformer block then gets ``block`` ``(side, number)`` and
   ``block_index``.
 - ``comfy_blocks(unet)``: an ldm UNet's ``BasicTransformerBlock``s with ComfyUI's attn1
