@@ -19,6 +19,7 @@ LAYERS = [
     ("tome.merge",),
     ("tome.methods",),
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
+    ("tome.attend",),   # attention over pooled keys: the bias per kernel, residual reuse
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),

@@ -126,6 +126,23 @@ class ToMeConfig:
     seed: int = field(default=0, metadata=_meta(
         "Seed", "ToMe seed",
         "Seed of the random destination choice. The WebUI uses the image seed."))
+    # DiT-only settings (after the older fields: hosts list settings in this order).
+    proportional: bool = field(default=True, metadata=_meta(
+        "DiT proportional attention", "ToMe proportional",
+        "DiTs: each pooled image key counts for the tokens of its cell (log of the cell size "
+        "added to its logit), so pooled images keep their share of attention against the "
+        "unpooled text keys. Much closer images (docs/quality.md#dit); off: plain pooling."))
+    schedule: str = field(default="", metadata=_meta(
+        "DiT schedule", "ToMe schedule",
+        "DiTs: which blocks pool by which factor at which steps, e.g. 'inner:2@0.3-1' or "
+        "'all:2@0.3-1,inner:4@0.6-1' (blocks: all, double, single, first, last, inner or "
+        "a-b; a later item wins where it applies). Empty: the downsample factor in the DiT "
+        "blocks over start-end. The presets set it; UNets ignore it."))
+    reuse: int = field(default=0, metadata=_meta(
+        "DiT residual reuse", "ToMe reuse",
+        "DiTs: every N steps each pooled block also runs its attention unpooled and keeps the "
+        "difference, added to the pooled output on the steps between (one attention output "
+        "of memory per block). 0: off.", minimum=0, maximum=20, step=1))
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:
@@ -169,6 +186,14 @@ class ToMeConfig:
             fail("start", f"must not be after end={self.end}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
+        if not isinstance(self.proportional, bool):
+            fail("proportional", "must be a boolean")
+        try:
+            dit.Schedule.parse(self.schedule)
+        except ValueError as e:
+            fail("schedule", str(e))
+        if isinstance(self.reuse, bool) or not isinstance(self.reuse, int) or self.reuse < 0:
+            fail("reuse", "must be a non-negative integer")
 
     @property
     def max_ratio(self) -> float:
@@ -269,13 +294,25 @@ def describe(f: dataclasses.Field) -> str:
 # Named settings for people who do not want to know what a stride is. Each is a partial
 # ``ToMeConfig`` applied over the defaults; all use the ``auto`` policy, so a preset never makes
 # a pass slower. Chosen from the showcase (docs/quality.md): at equal speed-up ToDo keeps more
-# of the image than merging, so the quality end uses it.
-PRESETS: dict[str, dict[str, Any]] = {
+# of the image than merging, so the quality end uses it. A preset is one config for every
+# model kind: a UNet reads the fields above, a DiT its own (``DIT_PRESETS``: the tiny DiT's
+# measured frontier, docs/quality.md#dit), so ``apply_patch(model, config=preset("quality"))``
+# does each kind's best at that point.
+UNET_PRESETS: dict[str, dict[str, Any]] = {
     "quality": {"method": "downsample", "downsample_factor": 2, "policy": "auto"},
     "balanced": {"method": "merge", "ratio": 0.5, "policy": "auto"},
     "fast": {"method": "downsample", "downsample_factor": 4, "max_downsample": 2,
              "policy": "auto"},
 }
+DIT_PRESETS: dict[str, dict[str, Any]] = {
+    "quality": {"schedule": "all:4", "reuse": 3},
+    "balanced": {},  # merge has no DiT form: a DiT is left as it is
+    "fast": {"schedule": "all:4", "reuse": 7},
+}
+PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
+#: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
+#: ``max_downsample``).
+DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse")
 
 
 def preset(name: str, **changes: Any) -> ToMeConfig:
@@ -284,3 +321,21 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
     if key not in PRESETS:
         raise ValueError(f"ToMe: unknown preset {name!r}; known: {sorted(PRESETS)}")
     return ToMeConfig(**{**PRESETS[key], **changes})
+
+
+def resolved(config: ToMeConfig, kind: str) -> str:
+    """What ``config`` does on a model of ``kind`` ("DiT" or "UNet", as ``PatchReport.kind``):
+    one line for the infotext and the ComfyUI node, e.g. ``downsample x2`` on a UNet and
+    ``x4 in all blocks; residual reuse every 3 steps; proportional attention`` on a DiT."""
+    m = methods.get(config.method)
+    if str(kind).lower() != "dit":
+        window = f", steps {config.start:g}-{config.end:g}" \
+            if (config.start, config.end) != (0, 1) else ""
+        return m.describe(config) + window
+    if config.method != "downsample":
+        return f"{config.method}: no DiT form, not pooled"
+    parts = [dit.schedule_of(config).describe()]
+    if config.reuse:
+        parts.append(f"residual reuse every {config.reuse} steps")
+    parts.append("proportional attention" if config.proportional else "plain pooling")
+    return "; ".join(parts) + f"; rope {config.rope}"

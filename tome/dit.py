@@ -43,7 +43,10 @@ def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int
     """``x`` with its ``h*w`` image tokens at ``[start, start + h*w)`` along ``dim`` replaced by
     their ``factor x factor`` cell means (``ceil(h/f) * ceil(w/f)`` tokens; a partial cell at
     the edge averages the tokens it has). Tokens before and after the span are kept as they
-    are. One pooling op plus reshapes and a concatenation; shapes depend only on the grid."""
+    are. One pooling op plus reshapes and a concatenation; shapes depend only on the grid.
+    Factor 1 is the identity (bit for bit)."""
+    if factor == 1:
+        return x
     n = h * w
     img = x.narrow(dim, start, n)
     lead, trail = img.shape[:dim], img.shape[dim + 1:]
@@ -64,6 +67,8 @@ def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, start: int, h: int, w: in
                  factor: int, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled positions for diffusers' ``(cos, sin)`` embedding ([S, D]): each cell's mean
     rotation, normalised back to a rotation (the rotation by the cell's mean angle)."""
+    if factor == 1:
+        return cos, sin
     c = pool_span(cos.float(), start, h, w, factor, dim)
     s = pool_span(sin.float(), start, h, w, factor, dim)
     r = torch.sqrt(c * c + s * s).clamp_min(1e-12)
@@ -74,9 +79,32 @@ def pool_rotations(pe: torch.Tensor, start: int, h: int, w: int, factor: int,
                    dim: int = 2) -> torch.Tensor:
     """Pooled positions for ComfyUI's RoPE (``[..., S, D/2, 2, 2]`` rotation matrices): each
     cell's mean matrix divided by its scale (``sqrt(det)``), a rotation again."""
+    if factor == 1:
+        return pe
     m = pool_span(pe.float(), start, h, w, factor, dim)
     r = torch.sqrt(m[..., 0, 0] ** 2 + m[..., 1, 0] ** 2).clamp_min(1e-12)
     return (m / r[..., None, None]).to(pe.dtype)
+
+
+def cell_counts(h: int, w: int, factor: int) -> list[int]:
+    """Tokens in each ``factor x factor`` cell of an ``h x w`` grid, in the pooled order
+    (``factor**2`` for full cells, fewer in partial cells at the right and bottom edges)."""
+    rows = [min(factor, h - i) for i in range(0, h, factor)]
+    cols = [min(factor, w - j) for j in range(0, w, factor)]
+    return [r * c for r in rows for c in cols]
+
+
+def key_bias(start: int, total: int, h: int, w: int, factor: int, device: Any,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Proportional attention: the additive logit bias of each key ([S'] for the pooled
+    sequence of ``total`` keys with the image's ``h*w`` at ``start``): ``log(tokens in the
+    cell)`` on pooled image keys, 0 on every other key. A pooled key stands for its whole cell;
+    softmax would count it once, so against keys that are not pooled (a DiT's text, a partial
+    edge cell) the image would lose attention mass ``factor**2``-fold. Built from Python ints
+    (no device read), once per call."""
+    logs = [math.log(n) for n in cell_counts(h, w, factor)]
+    rest = total - start - h * w
+    return torch.tensor([0.0] * start + logs + [0.0] * rest, device=device, dtype=dtype)
 
 
 def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
@@ -91,16 +119,34 @@ def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the method
 
 class DitPlan:
-    """Pooling for one DiT call: the image grid, the factor and the RoPE option."""
+    """Pooling for one DiT call: the image grid, the factor, the RoPE option and whether
+    pooled keys get the proportional-attention bias."""
 
-    __slots__ = ("h", "w", "factor", "rope", "_positions")
+    __slots__ = ("h", "w", "factor", "rope", "proportional", "_positions", "_bias")
 
-    def __init__(self, h: int, w: int, factor: int, rope: str):
+    def __init__(self, h: int, w: int, factor: int, rope: str, proportional: bool = False):
         self.h, self.w, self.factor, self.rope = h, w, factor, rope
+        self.proportional = proportional
         self._positions: tuple[Any, Any] = (None, None)
+        self._bias: tuple[Any, Any] = (None, None)
 
     def pool(self, x: torch.Tensor, start: int, dim: int) -> torch.Tensor:
         return pool_span(x, start, self.h, self.w, self.factor, dim)
+
+    def with_factor(self, factor: int) -> DitPlan:
+        return DitPlan(self.h, self.w, factor, self.rope, self.proportional)
+
+    def bias(self, start: int, total: int, device: Any) -> torch.Tensor | None:
+        """``key_bias`` for a sequence of ``total`` keys (None without ``proportional``), built
+        once per plan (one call) and shared by its blocks; float32, cast by the caller."""
+        if not self.proportional or self.factor == 1:
+            return None
+        if merge.compiling():
+            return key_bias(start, total, self.h, self.w, self.factor, device)
+        key = (start, total, str(device))
+        if self._bias[0] != key:
+            self._bias = (key, key_bias(start, total, self.h, self.w, self.factor, device))
+        return self._bias[1]
 
     def positions(self, emb: Any, start: int, pool: Any) -> Any:
         """``pool(emb)``, once per call: every block of a call shares the embedding (a plan
@@ -140,6 +186,95 @@ def selects(blocks: str, index: int, kind: str) -> bool:
     return a <= index <= b
 
 
+SCHEDULE_HELP = ("items 'blocks[:factor][@start-end]' separated by commas; blocks: all, double, "
+                 "single, first, last, inner or 'a-b'; a later item wins where it applies")
+_SELECTORS = ("all", "double", "single", "first", "last", "inner")
+
+
+def _selected(sel: tuple[str, int, int], index: int, kind: str, count: int) -> bool:
+    which, a, b = sel
+    return {"all": True, "double": kind == "double", "single": kind == "single",
+            "first": index == 0, "last": index == count - 1,
+            "inner": 0 < index < count - 1}.get(which, a <= index <= b)
+
+
+class Schedule:
+    """Which factor pools which block at which point of sampling (``ToMeConfig.schedule``).
+
+    Items ``(selector, factor, start, end)``; for a block at sampling progress ``p`` (0 = the
+    first, noisiest step) the last item that names the block and whose window holds ``p``
+    gives the factor (0 where none does: unpooled; 1 runs the pooled path's maths unpooled).
+    DiTs differ from UNets in where pooling costs
+    (docs/quality.md#dit): this says it per block and window in one setting."""
+
+    __slots__ = ("items", "text")
+
+    def __init__(self, items: tuple, text: str):
+        self.items, self.text = items, text
+
+    @classmethod
+    def parse(cls, text: str, factor: int = 2, start: float = 0.0, end: float = 1.0,
+              blocks: str = "all") -> Schedule:
+        """From the ``schedule`` setting; empty: ``factor`` in ``blocks`` over
+        ``start``-``end`` (the settings before schedules). Raises ``ValueError``."""
+        t = str(text).strip().lower().replace(" ", "")
+        if not t:
+            return cls(((parse_blocks(blocks), factor, start, end),), "")
+        items = []
+        for part in t.split(","):
+            sel, _, window = part.partition("@")
+            sel, _, f = sel.partition(":")
+            try:
+                lo, hi = (float(v) for v in window.split("-")) if window else (start, end)
+                fac = int(f) if f else factor
+            except ValueError:
+                raise ValueError(f"{part!r}: must be {SCHEDULE_HELP}") from None
+            if not (0 <= lo <= hi <= 1 and 1 <= fac <= 8):
+                raise ValueError(f"{part!r}: factor 1-8, window within 0-1 (start <= end)")
+            which = (sel, 0, 0) if sel in _SELECTORS else parse_blocks(sel)
+            items.append((which, fac, lo, hi))
+        return cls(tuple(items), t)
+
+    def factor(self, index: int, kind: str, count: int, p: float | None) -> int:
+        """The factor of block ``index`` of ``count`` (``kind``: double/single) at progress
+        ``p`` (None: ignore windows: the largest factor the block may get); 0: not named."""
+        f = 0
+        for sel, fac, lo, hi in self.items:
+            if _selected(sel, index, kind, count):
+                if p is None:
+                    f = max(f, fac)
+                elif lo <= p <= hi:
+                    f = fac
+        return f
+
+    def describe(self) -> str:
+        """``x4 in all blocks, steps 0.3-1; x2 in block 0`` (what a patch resolved to)."""
+        def blocks(sel: tuple[str, int, int]) -> str:
+            which, a, b = sel
+            if which != "range":
+                return f"{which} blocks" if which in ("all", "double", "single", "inner") \
+                    else f"the {which} block"
+            return f"block {a}" if a == b else f"blocks {a}-{b}"
+        return "; ".join(f"x{fac} in {blocks(sel)}" + (
+            f", steps {lo:g}-{hi:g}" if (lo, hi) != (0, 1) else "")
+            for sel, fac, lo, hi in self.items)
+
+    def window(self) -> tuple[float, float]:
+        """The steps where any block may pool (what the planner's window needs to let in)."""
+        pooled = [(lo, hi) for _, fac, lo, hi in self.items] or [(0.0, 0.0)]
+        return min(lo for lo, _ in pooled), max(hi for _, hi in pooled)
+
+    def varies(self) -> bool:
+        """Whether blocks need the call's progress (items with different windows)."""
+        return len({(lo, hi) for _, _, lo, hi in self.items}) > 1
+
+
+def schedule_of(config: Any) -> Schedule:
+    """The DiT schedule a config resolves to (``schedule``, or the plain settings)."""
+    return Schedule.parse(getattr(config, "schedule", ""), config.downsample_factor,
+                          config.start, config.end, config.blocks)
+
+
 class DitPool(methods.Downsample):
     """ToDo on a DiT: the image tokens' keys and values are pooled in joint attention.
 
@@ -164,7 +299,8 @@ class DitPool(methods.Downsample):
         if plan is None:
             c = planner.config
             f = c.downsample_factor
-            plan = call.plans[(h, w)] = DitPlan(h, w, f, c.rope)
+            plan = call.plans[(h, w)] = DitPlan(h, w, f, c.rope,
+                                                 getattr(c, "proportional", False))
             planner.record(level, h * w, h * w - pooled_tokens(h, w, f))
         return plan
 

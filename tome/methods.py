@@ -111,7 +111,8 @@ class Merge(Method):
     """ToMe: similar tokens are averaged before a sub-layer and copied back after it."""
 
     name = "merge"
-    ignores = ("downsample_factor", "rope", "blocks")  # the last two: DiTs only
+    # All but the first: DiTs only.
+    ignores = ("downsample_factor", "rope", "blocks", "proportional", "schedule", "reuse")
 
     def active(self, c: ToMeConfig) -> bool:
         return c.ratio > 0 and (c.merge_attn or c.merge_crossattn or c.merge_mlp)

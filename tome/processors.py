@@ -28,9 +28,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import attend as _attend
 from . import dit
 from . import plan as _plan
 from .config import ToMeConfig
@@ -44,16 +44,36 @@ JOINT_PROCESSORS = ("JointAttnProcessor2_0",)
 
 
 class _State:
-    """One patched DiT: the planner, the current call's plan and text length."""
+    """One patched DiT: the planner, the current call's plan, progress and text length, and
+    the kept residuals of ``reuse``."""
 
     def __init__(self, config: ToMeConfig, report: PatchReport, layout: Layout):
         self.config, self.report, self.layout = config, report, layout
         self.planner: _plan.Planner = report.planner
+        self.schedule = dit.schedule_of(config)
+        self.count = len(layout.blocks)
         self.handles: list[Any] = []   # hook handles on the transformer
-        self.wrapped: list[tuple[nn.Module, Any]] = []  # (attention module, original processor)
+        self.wrapped: list[tuple[nn.Module, str, Any]] = []  # (module, attribute, original)
         self.plan: dit.DitPlan | None = None
+        self.plans: dict[int, dit.DitPlan] = {}  # this call's plan per scheduled factor
+        self.p: float | None = None    # this call's sampling progress, where read
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self._ids: tuple[Any, Any] = (None, None)  # (img_ids tensor, its grid)
+        self.reuse = _attend.Reuse(config.reuse)
+
+    def plan_for(self, index: int, kind: str) -> dit.DitPlan | None:
+        """Block ``index``'s plan in this call: the schedule's factor for it now, or None."""
+        base = self.plan
+        if base is None:
+            return None
+        f = self.schedule.factor(index, kind, self.count, self.p)
+        if f == 0:
+            return None
+        if f == base.factor:
+            return base
+        if f not in self.plans:
+            self.plans[f] = base.with_factor(f)
+        return self.plans[f]
 
     def grid(self, img_ids: torch.Tensor) -> tuple[int, int] | None:
         """The generated image's token grid from Flux's ``img_ids`` (rows, columns), once per
@@ -96,13 +116,20 @@ class _Hooks:
                 return
             size = (grid[0] * p, grid[1] * p)
         st.text = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() == 3 else 0
-        c = st.config
-        if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1):
+        c = st.planner.config  # its window is the schedule's
+        read = st.schedule.varies() or st.reuse.every > 0
+        if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1 or read):
             t = t * st.layout.dit.timestep_scale
+        st.plans, st.p = {}, None
         call = st.planner.begin(size, x.device, t, x.shape[0])
         if call is not None:
             h, w = math.ceil(size[0] / p), math.ceil(size[1] / p)
             st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], h * w, 1))
+            if st.plan is not None and read and t is not None:
+                # The one host read of a call (as the planner's window), only where needed.
+                tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
+                st.p = 1.0 - tv / _plan.NUM_TRAIN_TIMESTEPS
+                st.reuse.begin(st.p)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plan = None
@@ -112,17 +139,19 @@ class _Hooks:
 
 class PoolingProcessor:
     """Wraps one attention module's processor (not an ``nn.Module``: the model's modules and
-    state dict stay as they were). ``source`` has ``plan`` and ``text`` (a patch's state, or
-    a fixed pair when measuring)."""
+    state dict stay as they were). ``source`` gives block ``index``'s plan (``plan_for``), the
+    text length and the reuse state (a patch's state, or a fixed plan when measuring)."""
 
-    def __init__(self, original: Any, source: Any, flux: bool):
+    def __init__(self, original: Any, source: Any, flux: bool, index: int = 0,
+                 kind: str = "double"):
         self.original, self.source, self.flux = original, source, flux
+        self.index, self.kind = index, kind
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: Any = None, **kwargs: Any) -> Any:
-        plan = self.source.plan
+        plan = self.source.plan_for(self.index, self.kind)
         if plan is None or attention_mask is not None or kwargs:
             if image_rotary_emb is not None or self.flux:
                 return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
@@ -130,33 +159,58 @@ class PoolingProcessor:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  **kwargs)
         if self.flux:
-            return _flux(self.original, attn, plan, hidden_states, encoder_hidden_states,
-                         image_rotary_emb, self.source.text)
-        return _joint(attn, plan, hidden_states, encoder_hidden_states)
+            return _flux(self, attn, plan, hidden_states, encoder_hidden_states,
+                         image_rotary_emb)
+        return _joint(attn, plan, hidden_states, encoder_hidden_states, self)
 
 
-def _pool_kv(plan: dit.DitPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             start: int, dim: int, emb: Any, rotate: Any) -> tuple[torch.Tensor, ...]:
-    """Queries (rotated) and pooled keys/values; ``rotate(x, emb)`` applies the embedding."""
-    if emb is None:
-        return q, plan.pool(k, start, dim), plan.pool(v, start, dim)
-    q = rotate(q, emb)
-    if plan.rope == "before":
-        k = plan.pool(rotate(k, emb), start, dim)
-    else:
-        pooled = plan.positions(emb, start, lambda e: dit.pool_cos_sin(
-            e[0], e[1], start, plan.h, plan.w, plan.factor))
-        k = rotate(plan.pool(k, start, dim), pooled)
-    return q, k, plan.pool(v, start, dim)
+_BACKENDS: dict[Any, tuple[bool, bool]] = {}  # backend -> (takes a mask, takes a scale)
 
 
-def _flux(original: Any, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
-          ehs: torch.Tensor | None, emb: Any, text: int) -> Any:
+def _backend(name: Any) -> tuple[bool, bool]:
+    """Whether diffusers' attention backend ``name`` takes an additive mask (native SDPA and
+    its variants; the dispatcher silently drops arguments a backend lacks) and a scale."""
+    if name not in _BACKENDS:
+        from diffusers.models.attention_dispatch import (
+            AttentionBackendName,
+            _AttentionBackendRegistry,
+        )
+        b = AttentionBackendName(name)
+        args = _AttentionBackendRegistry._supported_arg_names.get(b, ())
+        _BACKENDS[name] = ("attn_mask" in args and "native" in b.value, "scale" in args)
+    return _BACKENDS[name]
+
+
+def _dispatch(original: Any):
+    """diffusers' dispatcher with ``original``'s backend ([B, S, heads, D]): the bias as a
+    [1, 1, 1, S] mask where the backend takes one; otherwise (flash-attn, sage, xformers...)
+    as ``_attend.count_channel``'s extra channel, which any kernel runs."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
+    backend = getattr(original, "_attention_backend", None)
+    kw = {"backend": backend, "parallel_config": getattr(original, "_parallel_config", None)}
+
+    def kernel(q, k, v, bias):
+        if bias is None:
+            return dispatch_attention_fn(q, k, v, **kw)
+        masks, scaled = _backend(backend or _AttentionBackendRegistry.get_active_backend()[0])
+        if masks:
+            return dispatch_attention_fn(q, k, v, attn_mask=bias.to(q.dtype).view(1, 1, 1, -1),
+                                         **kw)
+        d = q.shape[-1]
+        q, k, v = _attend.count_channel(q, k, v, bias, 1,
+                                    None if scaled else _attend.channel_width(d) ** -0.5)
+        extra = {"scale": d ** -0.5} if scaled else {}
+        return dispatch_attention_fn(q, k, v, **extra, **kw)[..., :d]
+    return kernel
+
+
+def _flux(wrapper: PoolingProcessor, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
+          ehs: torch.Tensor | None, emb: Any) -> Any:
     """diffusers' ``FluxAttnProcessor`` with the image keys/values pooled. Sequence dim 1,
     [B, S, heads, head_dim]; joint sequence [text, image]."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.embeddings import apply_rotary_emb
 
+    original = wrapper.original
     joint = ehs is not None and attn.added_kv_proj_dim is not None
     if getattr(attn, "fused_projections", False):
         q, k, v = attn.to_qkv(hs).chunk(3, dim=-1)
@@ -168,7 +222,7 @@ def _flux(original: Any, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
             eq, ek, ev = attn.add_q_proj(ehs), attn.add_k_proj(ehs), attn.add_v_proj(ehs)
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
     q, k = attn.norm_q(q), attn.norm_k(k)
-    start = text
+    start = wrapper.source.text
     if joint:
         eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
         eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
@@ -176,11 +230,8 @@ def _flux(original: Any, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
         start = ehs.shape[1]
     if start + plan.h * plan.w > k.shape[1]:  # not the sequence the plan was made for
         return original(attn, hs, ehs, None, emb)
-    q, k, v = _pool_kv(plan, q, k, v, start, 1, emb,
-                       lambda x, e: apply_rotary_emb(x, e, sequence_dim=1))
-    out = dispatch_attention_fn(q, k, v, attn_mask=None,
-                                backend=getattr(original, "_attention_backend", None),
-                                parallel_config=getattr(original, "_parallel_config", None))
+    out = _attend.attend(wrapper, _dispatch(original), plan, q, k, v, start, 1, emb,
+                  lambda x, e: apply_rotary_emb(x, e, sequence_dim=1))
     out = out.flatten(2, 3).to(q.dtype)
     if ehs is None:
         return out
@@ -189,10 +240,11 @@ def _flux(original: Any, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
     return out, attn.to_add_out(ehs_out.contiguous())
 
 
-def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tensor | None
-           ) -> Any:
+def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tensor | None,
+           wrapper: PoolingProcessor | None = None) -> Any:
     """diffusers' ``JointAttnProcessor2_0`` (SD3, SD3.5) with the image keys/values pooled.
-    [B, heads, S, head_dim]; joint sequence [image, text]; no rotary positions."""
+    [B, heads, S, head_dim]; joint sequence [image, text]; no rotary positions; PyTorch's SDPA
+    (what the processor calls), the bias as its mask."""
     b, n = hs.shape[0], hs.shape[1]
     q, k, v = attn.to_q(hs), attn.to_k(hs), attn.to_v(hs)
     hd = k.shape[-1] // attn.heads
@@ -209,8 +261,7 @@ def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tens
         if attn.norm_added_k is not None:
             ek = attn.norm_added_k(ek)
         q, k, v = torch.cat([q, eq], 2), torch.cat([k, ek], 2), torch.cat([v, ev], 2)
-    k, v = plan.pool(k, 0, 2), plan.pool(v, 0, 2)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+    out = _attend.attend(wrapper, _attend.sdpa, plan, q, k, v, 0, 2)
     out = out.transpose(1, 2).reshape(b, -1, attn.heads * hd).to(q.dtype)
     ehs_out = None
     if ehs is not None:
@@ -222,20 +273,49 @@ def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tens
 
 
 class PreAttention:
-    """A1111's MMDiT (SD3): the image block's ``attn.pre_attention`` shadowed on the instance.
-    It returns the image tokens' q, k, v ([B, S, heads * D]) before the block joins them to
-    the text's; pooling k and v there is pooling the joint keys' image part (no RoPE in
-    SD3). Removal deletes the instance attribute: the class's method is back."""
+    """A1111's MMDiT (SD3): a block's ``attn.pre_attention`` shadowed on the instance. It
+    returns the tokens' q, k, v ([B, S, heads * D]) before the block joins text and image;
+    the image block's (``image``) pools k and v there (no RoPE in SD3). The joint kernel
+    (A1111's ``attention(q, k, v, heads)``) takes no mask, so the proportional bias rides on
+    ``_attend.count_channel``'s extra channel: both blocks' q, k, v get it (text keys 0) and
+    ``PostAttention`` drops it. Removal deletes the instance attributes."""
 
-    def __init__(self, original: Any, source: Any):
-        self.original, self.source = original, source
+    def __init__(self, original: Any, source: Any, index: int, kind: str, image: bool,
+                 heads: int, width: dict):
+        self.original, self.source, self.index, self.kind = original, source, index, kind
+        self.image, self.heads, self.width = image, heads, width  # width: the block's head dim
 
     def __call__(self, x: torch.Tensor) -> Any:
         q, k, v = self.original(x)
-        plan = self.source.plan
-        if plan is None or k.shape[1] != plan.h * plan.w:
+        plan = self.source.plan_for(self.index, self.kind)
+        if plan is None:
             return q, k, v
-        return q, plan.pool(k, 0, 1), plan.pool(v, 0, 1)
+        n = k.shape[1]
+        pooled = self.image and n == plan.h * plan.w
+        if pooled:
+            k, v = plan.pool(k, 0, 1), plan.pool(v, 0, 1)
+        if not plan.proportional:
+            return q, k, v
+        bias = plan.bias(0, n, k.device) if pooled else k.new_zeros(k.shape[1], dtype=torch.float)
+        d = self.width["d"] = q.shape[-1] // self.heads
+        q, k, v = _attend.count_channel(*(t.unflatten(-1, (self.heads, d)) for t in (q, k, v)),
+                                    bias, 1, _attend.channel_width(d) ** -0.5)
+        return q.flatten(2), k.flatten(2), v.flatten(2)
+
+
+class PostAttention:
+    """The other half of ``PreAttention``: the kernel's output without the extra channels."""
+
+    def __init__(self, original: Any, source: Any, index: int, kind: str, heads: int,
+                 width: dict):
+        self.original, self.source, self.index, self.kind = original, source, index, kind
+        self.heads, self.width = heads, width
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        plan = self.source.plan_for(self.index, self.kind)
+        if plan is not None and plan.proportional:
+            x = x.unflatten(-1, (self.heads, -1))[..., :self.width["d"]].flatten(2)
+        return self.original(x)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -275,42 +355,58 @@ def block_problem(block: nn.Module) -> str | None:
     return None
 
 
-def _wrap(block: nn.Module, source: Any, into: list) -> None:
+def _shadow(module: nn.Module, name: str, cls: type, into: list, *args: Any) -> None:
+    """Shadow ``module.name`` on the instance with ``cls(original, *args)`` (one of ours)."""
+    current = vars(module).get(name)
+    original = current.original if isinstance(current, (PreAttention, PostAttention)) \
+        else getattr(module, name)
+    setattr(module, name, cls(original, *args))
+    into.append((module, name, current))
+
+
+def _wrap(block: nn.Module, source: Any, into: list, index: int = 0, kind: str = "double"
+          ) -> None:
+    if hasattr(block, "x_block"):  # A1111's MMDiT
+        width: dict = {}
+        heads = block.x_block.attn.num_heads  # the joint kernel's (block_mixing's)
+        for part, image in ((block.context_block, False), (block.x_block, True)):
+            _shadow(part.attn, "pre_attention", PreAttention, into, source, index, kind, image,
+                    heads, width)
+            _shadow(part.attn, "post_attention", PostAttention, into, source, index, kind,
+                    heads, width)
+        return
     for a in attentions(block):
-        if _mmdit(a):
-            current = vars(a).get("pre_attention")
-            original = current.original if isinstance(current, PreAttention) else a.pre_attention
-            a.pre_attention = PreAttention(original, source)
-            into.append((a, current))
-            continue
         current = original = a.processor
         if isinstance(original, PoolingProcessor):  # measuring a patched block: one wrapper
             original = original.original
         flux = type(original).__name__ in FLUX_PROCESSORS
-        a.processor = PoolingProcessor(original, source, flux)
-        into.append((a, current))
+        a.processor = PoolingProcessor(original, source, flux, index, kind)
+        into.append((a, "processor", current))
 
 
-def _unwrap(wrapped: list[tuple[nn.Module, Any]]) -> None:
-    """Put the original processors back, where ours is still in place."""
-    for a, original in reversed(wrapped):
-        if _mmdit(a):
-            if isinstance(vars(a).get("pre_attention"), PreAttention):
-                del vars(a)["pre_attention"]
-                if original is not None:
-                    a.pre_attention = original
-        elif isinstance(vars(a).get("processor"), PoolingProcessor):
-            a.processor = original
+def _unwrap(wrapped: list[tuple[nn.Module, str, Any]]) -> None:
+    """Put the originals back, where ours is still in place."""
+    for a, name, original in reversed(wrapped):
+        if name == "processor":
+            if isinstance(vars(a).get("processor"), PoolingProcessor):
+                a.processor = original
+        elif isinstance(vars(a).get(name), (PreAttention, PostAttention)):
+            del vars(a)[name]
+            if original is not None:
+                setattr(a, name, original)
     wrapped.clear()
 
 
 # ----------------------------------------------------------------------------- one block
 
 class _Fixed:
-    """A plan source for one measured run."""
+    """A plan source for one measured run: ``plan`` for every block, no reuse."""
 
     def __init__(self, plan: Any, text: int):
-        self.plan, self.text = plan, text
+        self.plan, self.text, self.p, self.reuse = plan, text, None, _attend.Reuse(0)
+
+    def plan_for(self, index: int, kind: str) -> Any:
+        return self.plan
 
 
 def runner(layout: Layout):
@@ -355,30 +451,32 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     report = PatchReport(family=layout.family, config=config, max_downsample=d.patch,
                          total_blocks=len(layout.blocks), adapter=PROCESSORS, kind="DiT",
                          unmergeable=None if method else dit.no_form(config, layout.family))
-    targets: list[Block] = []
+    targets: list[tuple[int, Block]] = []
+    schedule = dit.schedule_of(config)
     for i, b in enumerate(layout.blocks):
-        if method is None or not dit.selects(config.blocks, i, b.kind):
+        if method is None or not schedule.factor(i, b.kind, len(layout.blocks), None):
             continue
         problem = block_problem(b.module)
         if problem:
             report.skipped.append((b.name, problem))
             continue
-        targets.append(b)
+        targets.append((i, b))
         report.levels[d.patch] = report.levels.get(d.patch, 0) + 1
     if method is not None and not targets and not report.skipped:
         report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
                               f"has {len(layout.blocks)}, double-stream first)")
     measured = measurer.for_model(model, config, runner(layout)) if measurer is not None \
         else None
-    report.planner = _plan.Planner(config, d.patch, measured, sorted(report.levels),
-                                   method=method)
+    lo, hi = schedule.window()  # the planner lets in the steps where any block pools
+    report.planner = _plan.Planner(config.replace(start=lo, end=hi), d.patch, measured,
+                                   sorted(report.levels), method=method)
     state = _State(config, report, layout)
     hooks = _Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.pre, with_kwargs=True))
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
-        for b in targets:
-            _wrap(b.module, state, state.wrapped)
+        for i, b in targets:
+            _wrap(b.module, state, state.wrapped, i, b.kind)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)

@@ -63,7 +63,7 @@ def heldout_loss(model, heldout: tuple[torch.Tensor, torch.Tensor]) -> dict[floa
 def _pooled(model, spec: dict[str, Any] | None):
     """``model`` pooled with ``spec`` for the duration (None: as it is)."""
     if spec is not None:
-        tome.apply_patch(model, method="downsample", **spec)
+        tome.apply_patch(model, **{"method": "downsample", **spec})
     try:
         yield
     finally:
@@ -71,11 +71,13 @@ def _pooled(model, spec: dict[str, Any] | None):
 
 
 def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
-             progress=None, heldout: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> list[dict[str, Any]]:
-    """One row per setting in ``SETTINGS``, in the showcase's row format (with
-    ``loss_increase`` per flow time where ``heldout`` is given)."""
+             progress=None, heldout: tuple[torch.Tensor, torch.Tensor] | None = None,
+             settings=None) -> list[dict[str, Any]]:
+    """One row per setting in ``settings`` (default ``SETTINGS``; the first is the reference),
+    in the showcase's row format (with ``loss_increase`` per flow time where ``heldout`` is
+    given)."""
     from . import tinydit
+    SETTINGS = tuple(settings or globals()["SETTINGS"])  # noqa: N806
     outs: dict[str, list[torch.Tensor]] = {name: [] for name, _ in SETTINGS}
     times: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
     for j, (cls, seed) in enumerate(images):
@@ -94,8 +96,9 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
             progress(f"tiny DiT: held-out loss, {name}")
         with _pooled(model, spec):
             losses[name] = heldout_loss(model, heldout)
-    ref = torch.stack(outs["unpooled"])
-    t_ref = statistics.median(times["unpooled"])
+    base = SETTINGS[0][0]
+    ref = torch.stack(outs[base])
+    t_ref = statistics.median(times[base])
     rows = []
     for name, spec in SETTINGS:
         imgs = torch.stack(outs[name])
@@ -110,7 +113,7 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
                      "per_image": {"time": times[name], "psnr": p, "ssim": s}})
         if losses:
             rows[-1]["loss"] = losses[name]
-            rows[-1]["loss_increase"] = {t: losses[name][t] / losses["unpooled"][t] - 1
+            rows[-1]["loss_increase"] = {t: losses[name][t] / losses[base][t] - 1
                                          for t in LOSS_TIMES}
     return rows
 

@@ -1,0 +1,126 @@
+"""Attention over pooled image keys, for every DiT adapter: the proportional-attention bias
+on each kernel path, and residual reuse.
+
+- The bias (``dit.key_bias``: ``log(cell size)`` on pooled image keys, 0 elsewhere) goes to
+  PyTorch's SDPA as an additive ``[1, 1, 1, S]`` mask (``sdpa``), or, for kernels that take
+  no mask (flash-attn and the like behind diffusers' dispatcher, A1111's joint attention), as
+  one extra query/key channel (``count_channel``). ``python -m tome.lab.dit_bias_bench``
+  times both (docs/quality.md#dit).
+- ``Reuse``: every N steps a pooled block also runs unpooled and keeps ``full - pooled``,
+  added to the pooled output on the steps between.
+
+``attend`` puts pooling, positions, bias and reuse together around any kernel
+``kernel(q, k, v, bias)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import dit
+
+
+def channel_width(head_dim: int, multiple: int = 8) -> int:
+    """Head width with one extra channel, padded to ``multiple`` (kernels' head-dim rule)."""
+    return -(-(head_dim + 1) // multiple) * multiple
+
+
+def count_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                  seq_dim: int, kernel_scale: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key bias without a mask: one more channel per head, 1 on queries, ``bias / scale``
+    on keys, 0 on values, zero-padded to a multiple of 8; ``q . k`` then gains exactly
+    ``bias`` after the kernel's scaling. ``kernel_scale``: the scale the kernel applies (None:
+    the caller passes ``1/sqrt(head_dim)``, the model's); where the kernel scales by its own
+    (wider) head dim, queries are rescaled to keep the model's. The output's extra channels
+    are 0: slice them off (``[..., :head_dim]``)."""
+    d = q.shape[-1]
+    dp = channel_width(d)
+    s = 1 / math.sqrt(d)
+    if kernel_scale is not None and kernel_scale != s:
+        q = q * (s / kernel_scale)
+        s = kernel_scale
+    shape = [1] * q.dim()
+    shape[seq_dim] = bias.shape[0]
+    kb = (bias / s).to(k.dtype).view(shape).expand(*k.shape[:-1], 1)
+    one = q.new_ones(()).expand(*q.shape[:-1], 1)
+    pad = dp - d - 1
+
+    def wide(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        parts = [x] + ([extra] if extra is not None else []) \
+            + [x.new_zeros(()).expand(*x.shape[:-1], pad + (extra is None))]
+        return torch.cat(parts, -1)
+
+    return wide(q, one), wide(k, kb), wide(v, None)
+
+
+class Reuse:
+    """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): on every
+    Nth step of a generation a pooled block's attention also runs unpooled and keeps
+    ``full - pooled``; the steps between add the kept residual to the pooled output. Steps are
+    told apart by the call's progress (a host calling cond and uncond apart gets one residual
+    per call of a step); progress going back starts a new generation. Memory: one attention
+    output per pooled block and call of a step."""
+
+    def __init__(self, every: int):
+        self.every, self.kept = every, {}
+        self.step, self.sub, self.last = 0, 0, None
+
+    def begin(self, p: float) -> None:
+        if not self.every:
+            return
+        if p == self.last:
+            self.sub += 1
+        else:
+            if self.last is None or p < self.last:
+                self.step, self.kept = -1, {}
+            self.step, self.sub, self.last = self.step + 1, 0, p
+
+    def apply(self, key: tuple, out: torch.Tensor, full: Any) -> torch.Tensor:
+        """The output of a pooled block: ``out`` plus its kept residual, or (refresh steps, or
+        nothing kept yet) ``full()``, keeping ``full - out``."""
+        key = key + (self.sub,)
+        kept = self.kept.get(key) if self.step % self.every else None
+        if kept is not None and kept.shape == out.shape:
+            return out + kept
+        f = full()
+        self.kept[key] = f - out
+        return f
+
+
+def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor, start: int, dim: int, emb: Any = None,
+            rotate: Any = None) -> torch.Tensor:
+    """Attention with the image keys/values pooled (``kernel(q, k, v, bias)``), the
+    proportional bias where the plan has it, and the residual reuse where the patch has it.
+    Queries are rotated by ``emb``; keys get their positions per ``plan.rope``."""
+    n = k.shape[dim]
+    if emb is not None:
+        q = rotate(q, emb)
+        if plan.rope == "before":
+            k = rotate(k, emb)
+            kp = plan.pool(k, start, dim)
+        else:
+            pooled = plan.positions(emb, start, lambda e: dit.pool_cos_sin(
+                e[0], e[1], start, plan.h, plan.w, plan.factor))
+            kp = rotate(plan.pool(k, start, dim), pooled)
+            k = None if wrapper is None or not wrapper.source.reuse.every else rotate(k, emb)
+    else:
+        kp = plan.pool(k, start, dim)
+    out = kernel(q, kp, plan.pool(v, start, dim), plan.bias(start, n, q.device))
+    if wrapper is None or not wrapper.source.reuse.every or wrapper.source.p is None:
+        return out
+    reuse = wrapper.source.reuse
+    return reuse.apply((wrapper.index, id(wrapper), plan.factor), out,
+                       lambda: kernel(q, k, v, None))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+          ) -> torch.Tensor:
+    """PyTorch's SDPA ([B, heads, S, D]) with the key bias as an additive [1, 1, 1, S] mask."""
+    mask = None if bias is None else bias.to(q.dtype).view(1, 1, 1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
