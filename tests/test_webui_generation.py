@@ -661,8 +661,9 @@ def test_measure_now_names_a_model_it_cannot_measure(monkeypatch, tmp_path, caps
     page = _measure_now()
     assert page == ("<p>ToMe: FluxLike has no UNet transformer blocks to merge and is not a "
                     "DiT it can pool (ToMe merges SD1, SD2 and SDXL UNets and pools image "
-                    "keys/values in Flux and SD3 DiTs; not other DiTs such as Qwen-Image, Wan "
-                    "or Lumina, nor compiled or replaced models); nothing to measure.</p>")
+                    "keys/values in Flux and SD3 DiTs and in ComfyUI Qwen-Image; not other DiTs "
+                    "such as Qwen-Image in diffusers, Wan or Lumina, nor compiled or replaced "
+                    "models); nothing to measure.</p>")
     assert "ToMe: Measure now: FluxLike has no UNet" in capsys.readouterr().out
 
 

@@ -3,17 +3,20 @@ measurement need to know of a model, and a reader per family produces it.
 
 A ``Layout`` lists the model's transformer blocks, each with its level (its tokens form the
 latent grid downsampled by that factor), its side (encoder or decoder) and its name, plus the
-keyword its sub-layers take the context by and the family's name. Readers:
+keyword its sub-layers take the context by, the family's name and, for a DiT, its facts
+(``Dit``: patch size, where the text sits, RoPE, how it is called). Readers:
 
 - ``read_ldm``: a UNet with ``input_blocks`` / ``middle_block`` / ``output_blocks``: ldm
   (SD1/SD2), sgm (SDXL), and the UNet behind a ModelPatcher (the Forge family's and ComfyUI's
   own copies of that code);
-- ``read_diffusers``: a UNet with ``down_blocks`` / ``mid_block`` / ``up_blocks``.
+- ``read_diffusers``: a UNet with ``down_blocks`` / ``mid_block`` / ``up_blocks``;
+- DiTs: diffusers' Flux and SD3/SD3.5 (``read_flux``, ``read_sd3``), A1111 1.10's SD3
+  (``read_mmdit``), ComfyUI's Flux and Qwen-Image (``read_comfy_flux``, ``read_comfy_qwen``).
 
 ``read(model)`` finds the denoiser in whatever it is given (an ldm/sgm model, a diffusers
-pipeline, a bare UNet, a ModelPatcher's ``diffusion_model``), picks the reader, and owns the
-one "not supported" message. Adding a model family is adding a reader (``docs/development.md``
-says what a DiT reader would provide). Structure only: nothing here changes a model.
+pipeline, a bare UNet or DiT, a ModelPatcher's ``diffusion_model``), picks the reader, and owns
+the one "not supported" message. Adding a model family is adding a reader
+(``docs/development.md``). Structure only: nothing here changes a model.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def not_supported(name: str, found: bool = True) -> UnsupportedModelError:
     (else what was expected is said too)."""
     text = (f"ToMe: {name} has no UNet transformer blocks to merge and is not a DiT it can "
             "pool (ToMe merges SD1, SD2 and SDXL UNets and pools image keys/values in Flux and "
-            "SD3 DiTs; not other DiTs such as Qwen-Image, Wan or Lumina, nor compiled or "
-            "replaced models)")
+            "SD3 DiTs and in ComfyUI Qwen-Image; not other DiTs such as Qwen-Image in "
+            "diffusers, Wan or Lumina, nor compiled or replaced models)")
     if not found:
         text += ("; expected an ldm/sgm model (.model.diffusion_model), a diffusers pipeline "
                  "(.unet, .transformer) or the UNet or transformer itself")
@@ -328,9 +331,10 @@ def denoiser(model: Any) -> nn.Module | None:
 
 
 def read(model: Any) -> Layout:
-    """The layout of ``model``'s UNet (an ldm/sgm model, a diffusers pipeline, a bare UNet, a
-    ModelPatcher's ``diffusion_model``, or a ``Layout`` already read). Raises
-    ``UnsupportedModelError`` (the one message) for anything without UNet transformer blocks."""
+    """The layout of ``model``'s denoiser (an ldm/sgm model, a diffusers pipeline, a bare UNet
+    or DiT, a ModelPatcher's ``diffusion_model``, or a ``Layout`` already read). Raises
+    ``UnsupportedModelError`` (the one message) for anything without UNet transformer blocks
+    that no DiT reader reads."""
     if isinstance(model, Layout):
         return model
     net = denoiser(model)

@@ -47,6 +47,8 @@ class _State:
         # id(block) -> the plan for the block's current call. Kept here, not on the blocks, so
         # removal leaves nothing behind.
         self.plans: dict[int, Any] = {}
+        self.hooks: _Hooks | None = None
+        self.removed = False
 
     def warn_once(self, msg: str) -> None:
         if msg not in self.warned:
@@ -68,17 +70,32 @@ def _block_problem(block: nn.Module, config: ToMeConfig, method: methods.Method
         sub = getattr(block, name)
         if sub._forward_hooks or sub._forward_pre_hooks:
             return f"{name} is observed by another patch's hooks"
+        processor = getattr(sub, "processor", None)
+        if hasattr(processor, "_tome_info") or "TokenMerge" in type(processor).__name__:
+            return (f"{name} runs another token merging's attention processor "
+                    f"({type(processor).__name__}, e.g. SD.Next's ToDo)")
     return method.refuse(block, config)
 
 
 # ----------------------------------------------------------------------------- tomesd
+
+def _tomesd_info(module: nn.Module) -> dict | None:
+    """tomesd's ``_tome_info`` on ``module``: its args name ``max_downsample``. Other token
+    merging keeps a dict of that name too (SD.Next's ToDo: ``merge_tokens``, its own attention
+    processors), which is not ours to remove."""
+    info = vars(module).get("_tome_info")
+    args = info.get("args") if isinstance(info, dict) else None
+    if not isinstance(args, dict) or "max_downsample" not in args or "merge_tokens" in args:
+        return None
+    return info
+
 
 def remove_tomesd(model: Any) -> bool:
     """Undo a tomesd patch in place (what ``tomesd.remove_patch`` does), without importing it."""
     root = model if isinstance(model, nn.Module) else _layout.find_unet(model)
     found = False
     for m in root.modules():
-        info = vars(m).get("_tome_info")
+        info = _tomesd_info(m)
         if info is not None:
             for h in info.get("hooks", []):
                 h.remove()
@@ -93,7 +110,7 @@ def remove_tomesd(model: Any) -> bool:
 def _tomesd_patched(unet: nn.Module) -> bool:
     """tomesd swaps block classes and adds a hook; its remove_patch leaves ``_tome_info`` behind,
     so only a live class swap or live hooks count."""
-    return any(type(m).__name__ == "ToMeBlock" or vars(m).get("_tome_info", {}).get("hooks")
+    return any(type(m).__name__ == "ToMeBlock" or (_tomesd_info(m) or {}).get("hooks")
                for m in unet.modules())
 
 
@@ -148,7 +165,9 @@ class _Hooks:
         self.method = state.planner.method
 
     # UNet ---------------------------------------------------------------
-    def unet_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def unet_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
+        if self.state.removed:  # removed while torch held this call's hooks (``begin_call``)
+            return
         x = _first(args, kwargs, _X_NAMES, 0)
         t = _first(args, kwargs, _T_NAMES, 1)
         self.state.call = self.state.planner.begin(tuple(x.shape[-2:]), x.device, t,
@@ -283,7 +302,7 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     measured = measurer.for_model(model, config, run_block) if measurer is not None else None
     report.planner = _plan.Planner(config, max_ds, measured, sorted(report.levels))
     state = _State(config, report, layout)
-    hooks = _Hooks(state)
+    hooks = state.hooks = _Hooks(state)
     try:
         h = state.handles
         h.append(unet.register_forward_pre_hook(hooks.unet_pre, with_kwargs=True))
@@ -305,16 +324,43 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     return report
 
 
-def remove(model: Any) -> Any:
-    """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone."""
+def remove(model: Any, during_call: bool = False) -> Any:
+    """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone.
+
+    ``during_call``: removed from inside a forward pre-hook of the UNet (a host that switches
+    the setting per call, SD.Next). torch holds that call's pre-hooks, and calls a keyword
+    hook removed meanwhile without its keywords, so the call hook stays registered, inert,
+    until ``flush`` (after the generation)."""
     unet = _patched_unet(model)
     if processors.remove(unet):
         return model
     state = vars(unet).pop(STATE_ATTR, None)
     if state is not None:
-        for handle in state.handles:
-            handle.remove()
+        state.removed, state.call = True, None
+        for i, handle in enumerate(state.handles):
+            if during_call and i == 0:  # the UNet's call hook, registered first
+                _parked.append(handle)
+            else:
+                handle.remove()
     return model
+
+
+_parked: list[Any] = []  # call hooks of patches removed during a call (``remove``)
+
+
+def flush() -> None:
+    """Remove the inert call hooks ``remove(during_call=True)`` left; outside any UNet call."""
+    while _parked:
+        _parked.pop().remove()
+
+
+def begin_call(model: Any, args: tuple, kwargs: dict) -> None:
+    """Start the current UNet call on a patch applied from inside that call's own pre-hooks (a
+    host that picks the setting per call, SD.Next's hires pass): torch runs the hooks it held
+    when the call began, so the new patch's call hook would miss this call."""
+    hooks = getattr(state_of(model), "hooks", None)
+    if hooks is not None:
+        hooks.unet_pre(None, args, kwargs)
 
 
 def _patched_unet(model: Any) -> nn.Module:

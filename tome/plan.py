@@ -90,7 +90,9 @@ class Window:
         if self.bounds is None:
             return ""
         lo, hi = self.bounds
-        return f"sigma {min(hi, 1e9):.3g} to {lo:.3g}"
+        if hi >= 1e6:  # percent_to_sigma(0): a placeholder above every real sigma
+            return f"sigma >= {lo:.3g}"
+        return f"sigma <= {hi:.3g}" if lo <= 0 else f"sigma {hi:.3g} to {lo:.3g}"
 
     def describe(self) -> str:
         """``steps 0-0.5: merged in 2 of 4 steps`` (the counts once a pass has run)."""

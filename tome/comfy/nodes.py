@@ -101,9 +101,10 @@ class SamplingGuard:
 
 def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = None) -> Any:
     """``model`` (a ComfyUI ``ModelPatcher``) with token merging: a patched clone, or
-    ``model`` itself where nothing is merged (a DiT, settings that merge nothing), with one
-    console line saying why. Token merging already on the model (an earlier ToMe node, or
-    ComfyUI's built-in ``TomePatchModel``) is taken over: removed from the clone, with a line."""
+    ``model`` itself where nothing is merged (a model it cannot read, merge on a DiT, settings
+    that merge nothing), with one console line saying why. Token merging already on the model
+    (an earlier ToMe node, or ComfyUI's built-in ``TomePatchModel``) is taken over: removed
+    from the clone, with a line."""
     say = say or host.console
     ignored = [name for name in IGNORED if getattr(config, name)]
     if ignored:
@@ -150,11 +151,12 @@ class ToMePatch:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     DESCRIPTION = ("Token Merging for SD1.x, SD2.x and SDXL UNets: each step is faster, the "
-                   "image changes a little. The input model is not changed. On Flux "
-                   "(ComfyUI versions whose Flux blocks call attn1 patches) method downsample "
-                   "pools the image keys/values; other DiTs pass through unchanged. To merge "
-                   "only in a second (hires) sampler, put this node only on that sampler's "
-                   "model.")
+                   "image changes a little. The input model is not changed. On Flux and "
+                   "Qwen-Image (ComfyUI versions whose blocks call attn1 patches) method "
+                   "downsample pools the image keys/values; other DiTs pass through unchanged. "
+                   "start/end are fractions of the sampling, read in the model's own sigmas. "
+                   "To merge only in a second (hires) sampler, put this node only on that "
+                   "sampler's model.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:  # noqa: N802 (ComfyUI's name)

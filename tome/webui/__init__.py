@@ -40,3 +40,6 @@ def register_callbacks() -> None:
     script_callbacks.on_model_loaded(runner.on_model_loaded)
     script_callbacks.on_cfg_denoiser(runner.on_cfg_denoiser)
     script_callbacks.on_app_started(measure_now.register_api)
+    after_process = getattr(script_callbacks, "on_after_process", None)
+    if after_process is not None:  # SD.Next: runs on every exit, postprocess not when stopped
+        after_process(runner.after_generation)

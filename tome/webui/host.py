@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import patch, patcher, policy
 from ..config import ToMeConfig
-from ..layout import UnsupportedModelError, denoiser, read
+from ..layout import UnsupportedModelError, denoiser, find_unet, read
 from ..measurements import MeasurementCache, Measurer, default_cache_path
 from ..report import PatchReport
 from . import infotext, narrate
@@ -37,6 +37,33 @@ def opts() -> Any:
 
 def current_model(p: Any) -> Any:
     return getattr(p, "sd_model", None)
+
+
+def sdnext() -> bool:
+    """SD.Next (vladmandic/automatic): a diffusers WebUI with its own token merging options
+    (``token_merging_method``). Its diffusers path calls no script hook between the passes
+    (no ``process_before_every_sampling``, no ``before_hr``), so the setting is chosen per UNet
+    call (``runner.route``)."""
+    try:
+        return "token_merging_method" in opts().data_labels
+    except (ImportError, AttributeError):
+        return False
+
+
+def denoisers(p: Any) -> list[Any]:
+    """SD.Next: the UNets (or DiTs) of the base pipeline and of the refiner, where set; the
+    modules themselves, since SD.Next swaps pipeline objects around the same UNet between
+    passes."""
+    from modules import shared
+    found = []
+    for pipe in (getattr(p, "sd_model", None), getattr(shared, "sd_refiner", None)):
+        try:
+            net = find_unet(pipe) if pipe is not None else None
+        except UnsupportedModelError:
+            net = None
+        if net is not None and net not in found:
+            found.append(net)
+    return found
 
 
 def seed_of(p: Any) -> int:
@@ -92,7 +119,8 @@ def unsupported(model: Any) -> str | None:
 
 def cache_path() -> Any:
     """Where measurements are kept: ``$TOME_CACHE_DIR``, else the WebUI's cache folder
-    (``<data dir>/cache/tome/measurements.json``), else the library's default."""
+    (``<data dir>/cache/tome/measurements.json``; SD.Next without ``--data-dir``: its own
+    folder's), else the library's default."""
     import os
     from pathlib import Path
 
@@ -100,9 +128,13 @@ def cache_path() -> Any:
         return default_cache_path()
     try:
         from modules import paths_internal
-        return Path(paths_internal.data_path) / "cache" / "tome" / "measurements.json"
+        # SD.Next's data path is empty unless --data-dir is given: its own folder then.
+        base = paths_internal.data_path or getattr(paths_internal, "script_path", "")
     except (ImportError, AttributeError):
+        base = ""
+    if not base:
         return default_cache_path()
+    return Path(base).resolve() / "cache" / "tome" / "measurements.json"
 
 
 _shown: list[Any] = []
@@ -267,6 +299,8 @@ def disable_builtin(p: Any) -> dict[str, Any]:
     if overrides is None:
         return {}
     o = opts()
+    if sdnext():
+        return _sdnext_builtin_off(p, overrides, o)
     on = {k: v for k in BUILTIN_KEYS if (v := overrides.get(k, getattr(o, k, 0)))}
     if not on:
         return {}
@@ -275,6 +309,25 @@ def disable_builtin(p: Any) -> dict[str, Any]:
     else:
         p.get_token_merging_ratio = lambda for_hr=False: 0.0
     return on
+
+
+SDNEXT_METHOD = "token_merging_method"  # "None", "ToMe" (tomesd) or "ToDo", with its ratio
+SDNEXT_RATIOS = {"ToMe": "tome_ratio", "ToDo": "todo_ratio"}
+
+
+def _sdnext_builtin_off(p: Any, overrides: dict, o: Any) -> dict[str, Any]:
+    """SD.Next applies its own ToMe or ToDo after ``before_process``, from the options it has
+    then (``override_settings`` applied, and restored afterwards unless the request says
+    otherwise): the method is overridden to "None" for the generation."""
+    method = str(overrides.get(SDNEXT_METHOD, getattr(o, SDNEXT_METHOD, "None")) or "None")
+    ratio_key = SDNEXT_RATIOS.get(method)
+    if ratio_key is None:
+        return {}
+    ratio = overrides.get(ratio_key, getattr(o, ratio_key, 0))
+    if not ratio:
+        return {}
+    p.override_settings = {**overrides, SDNEXT_METHOD: "None"}
+    return {SDNEXT_METHOD: method, ratio_key: ratio}
 
 
 def strip_infotext(p: Any) -> None:

@@ -19,6 +19,9 @@ from . import host, narrate
 from . import script_args as A
 
 ROUTE = "/tome/measure"
+HELP = ("<p>Times the loaded model on this device at its usual first-pass and hires sizes, "
+        "merged and unmerged, per method (SD1/SD2: 512 to 1024 px; SDXL: 1024 and 1536 px; a "
+        "minute or more on a CPU). The generations then read these results.</p>")
 BATCH = 2  # one image with classifier-free guidance: cond and uncond in one UNet call
 # Image sizes (px, square) of a first pass and the usual hires-fix passes.
 SIZES = {"SDXL": (1024, 1536), "": (512, 768, 1024)}

@@ -23,9 +23,23 @@ _said_builtin = False
 
 
 def console(line: str) -> None:
-    """Print one console line on a line of its own (``tome.console.line``: never glued to the
-    sampler's progress bar)."""
-    _console.line(line)
+    """One console line: through the host's logger where it has one (SD.Next's ``shared.log``,
+    so the line is in its log file and log panel), else printed on a line of its own
+    (``tome.console.line``: never glued to the sampler's progress bar)."""
+    log = _host_log()
+    if log is not None:
+        log.info(line)
+    else:
+        _console.line(line)
+
+
+def _host_log() -> Any:
+    try:
+        from modules import shared
+    except ImportError:
+        return None
+    log = getattr(shared, "log", None)
+    return log if callable(getattr(log, "info", None)) else None
 
 
 def head(kind: str, report: PatchReport) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import is_patched, methods, policy, remove_patch
+from .. import is_patched, methods, patch, policy, remove_patch
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
@@ -46,11 +46,14 @@ class Generation:
     # The passes' patch reports: the ModelPatcher adapter learns skipped blocks while sampling.
     reports: list[PatchReport] = field(default_factory=list, repr=False)
     windows: dict[str, PatchReport] = field(default_factory=dict, repr=False)  # pass -> report
+    routed: dict[int, str] = field(default_factory=dict, repr=False)  # SD.Next: UNet -> pass
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
 
     def pass_name(self, p: Any) -> str:
         if self.img2img:
             return "img2img"
+        if getattr(p, "is_refiner_pass", False):  # SD.Next: a refiner pass after the others
+            return "hires" if self.hires else "first"
         return "hires" if getattr(p, "is_hr_pass", False) else "first"
 
 
@@ -100,6 +103,9 @@ def before_sampling(p: Any, x: Any = None) -> None:
     pass's exact size and compute device; without it (WebUI < 1.10) they come from ``p``.
     """
     gen: Generation | None = getattr(p, GEN_ATTR, None)
+    if host.sdnext():
+        route(p)
+        return
     model = host.current_model(p)
     for m in list(_patched):
         if m is not model:
@@ -150,9 +156,52 @@ def on_model_loaded(sd_model: Any) -> None:
 
 
 def restore_all() -> None:
-    """Remove every patch this module made (UI reload, model load, end of a generation)."""
+    """Remove every patch and router this module made (UI reload, model load, end of a
+    generation)."""
+    while _routers:
+        _routers.pop().remove()
     for m in list(_patched):
         _unpatch(m)
+    patch.flush()
+
+
+# SD.Next: the routers' hook handles, one per UNet, for the generation.
+_routers: list[Any] = []
+
+
+def route(p: Any) -> None:
+    """SD.Next: no hook runs between its passes, so each UNet (base and refiner) gets a router
+    that, at the first call of each pass (``p.is_hr_pass``, ``p.is_refiner_pass``), patches
+    it with that pass's setting, or unpatches it where the pass merges nothing."""
+    gen: Generation | None = getattr(p, GEN_ATTR, None)
+    if gen is None or not gen.ready:
+        return
+    for unet in host.denoisers(p):
+        if any(getattr(h, "unet", None) is unet for h in _routers):
+            continue
+        handle = unet.register_forward_pre_hook(
+            lambda module, args, kwargs: _routed(p, module, args, kwargs), with_kwargs=True,
+            prepend=True)
+        handle.unet = unet
+        _routers.append(handle)
+
+
+def _routed(p: Any, unet: Any, args: tuple, kwargs: dict) -> None:
+    gen: Generation | None = getattr(p, GEN_ATTR, None)
+    if gen is None or not gen.ready:
+        return
+    name = gen.pass_name(p)
+    if gen.routed.get(id(unet)) == name:
+        return
+    gen.routed[id(unet)] = name
+    _patched.discard(unet)
+    patch.remove(unet, during_call=True)
+    cfg = gen.passes.get(name)
+    if cfg is None:
+        return
+    x = args[0] if args else kwargs.get("sample")
+    _patch(p, unet, gen, cfg.replace(seed=host.seed_of(p)), name, x)
+    patch.begin_call(unet, args, kwargs)  # torch holds this call's old hooks: start it on ours
 
 
 # ----------------------------------------------------------------------------- helpers

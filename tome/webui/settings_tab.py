@@ -10,6 +10,16 @@ from ..config import MAX_STRIDE, RATIO_RULE, ratio_limit
 SECTION = ("tome", "ToMe")
 
 
+def html_options() -> bool:
+    """The host shows static HTML in Settings (A1111 >= 1.6, every Forge); SD.Next does not,
+    so the accordion carries Measure now there instead (``ui.build``)."""
+    try:
+        from modules import shared
+    except ImportError:
+        return True
+    return hasattr(shared, "OptionHTML")
+
+
 def register() -> None:
     """``on_ui_settings`` callback."""
     import gradio as gr
@@ -30,7 +40,7 @@ def register() -> None:
             {"minimum": 0.0, "maximum": round(ratio_limit(MAX_STRIDE, MAX_STRIDE), 2),
              "step": 0.01}).info(f"0 = same as the first pass; must not exceed {RATIO_RULE}"),
     }
-    if hasattr(shared, "OptionHTML"):  # WebUI >= 1.6 and every Forge
+    if html_options():  # WebUI >= 1.6 and every Forge
         options["tome_measure_now"] = shared.OptionHTML(
             "<button class='lg secondary gradio-button' onclick='tomeMeasureNow(this)'>Measure "
             "now</button> times the loaded model on this device at its usual first-pass and "

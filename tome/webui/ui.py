@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import methods
 from ..config import FIELDS, PRESETS, choices, preset, ratio_limit
-from . import infotext
+from . import infotext, settings_tab
 from .script_args import (
     ARGS,
     CONFIG_KEYS,
@@ -135,6 +135,8 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
             with gr.Row():  # fields added later, each as its metadata says
                 for name in LATER:
                     control(name)
+        if not settings_tab.html_options():  # SD.Next: Settings shows no button
+            _measure_now_here()
 
     def clamp_ratios(sx: float, sy: float, r: float, hr: float) -> tuple[Any, Any]:
         top = ratio_limit(max(1, int(sx)), max(1, int(sy)))
@@ -161,6 +163,18 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
 
     script.infotext_fields = [(c[n], infotext.reader(n, c[n].value)) for n in ARGS]
     return [c[n] for n in ARGS]
+
+
+def _measure_now_here() -> None:
+    """Measure now inside the accordion, for a host whose Settings cannot show a button."""
+    import gradio as gr
+
+    from . import measure_now
+
+    with gr.Accordion("Measure now", open=False):
+        button = gr.Button("Measure now")
+        out = gr.HTML(measure_now.HELP)
+        button.click(lambda: measure_now.measure_loaded()["html"], outputs=[out])
 
 
 def _input_accordion(label: str, elem_id: str):

@@ -1,0 +1,234 @@
+"""A stand-in of SD.Next (vladmandic/automatic @431bcc36, its diffusers backend) for the parts
+the ToMe script touches, written from the behaviour its public source shows (SD.Next is AGPL:
+nothing is copied). ``enter()`` turns the WebUI stand-in into it, ``leave()`` back:
+
+- ``scripts.Script`` has no ``process_before_every_sampling`` and no ``before_hr``: SD.Next's
+  diffusers path calls no script hook between its passes;
+- ``shared.log`` is SD.Next's logger (its ``sdnext.log`` and the UI's log panel); a ``print``
+  does not reach it (``LOG`` holds what it got);
+- ``shared.OptionHTML`` does not exist (Settings cannot show a button);
+- its own token merging is in the options: ``token_merging_method`` ("None", "ToMe", "ToDo"),
+  ``tome_ratio``, ``todo_ratio``; ``shared.sd_refiner`` is the refiner pipeline or None;
+- ``process_images(p)`` runs SD.Next's order: ``before_process``; ``override_settings``
+  applied (restored afterwards); its own token merging applied to ``p.sd_model`` (ToMe:
+  tomesd; ToDo: a ``_tome_info`` dict with a pre-hook on the UNet and a
+  ``TokenMergeAttentionProcessor`` on every attn1, keys and values downsampled); ``process``;
+  per batch ``process_batch``, then the passes: base, hires (``p.is_hr_pass`` True around the
+  pipeline call, on a new pipeline object around the same UNet: ``set_diffuser_pipe``), refiner
+  (``p.is_refiner_pass``, ``shared.sd_refiner``); ``postprocess_batch``; ``postprocess`` only
+  when not interrupted; finally its token merging removed, the ``after_process`` callbacks,
+  the options restored. The infotext gets SD.Next's own ``ToMe``/``ToDo`` key when its
+  option says so, merged or not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import AttnProcessor2_0
+
+from modules import processing, script_callbacks, scripts, shared
+
+LOG: list[str] = []
+_saved: dict = {}
+
+
+class _Collect(logging.Handler):
+    def emit(self, record):
+        LOG.append(record.getMessage())
+
+
+def enter() -> None:
+    for name in ("process_before_every_sampling", "before_hr"):
+        if name in vars(scripts.Script):
+            _saved[name] = vars(scripts.Script)[name]
+            delattr(scripts.Script, name)
+    if hasattr(shared, "OptionHTML"):
+        _saved["OptionHTML"] = shared.OptionHTML
+        del shared.OptionHTML
+    log = logging.getLogger("sdnext-stand-in")
+    log.handlers[:] = [_Collect()]
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    shared.log = log
+    shared.sd_refiner = None
+    LOG.clear()
+    script_callbacks.on_after_process = lambda fn, *, name=None: script_callbacks._add(
+        "after_process", fn, name)
+
+
+def leave() -> None:
+    for name in ("process_before_every_sampling", "before_hr"):
+        if name in _saved:
+            setattr(scripts.Script, name, _saved.pop(name))
+    if "OptionHTML" in _saved:
+        shared.OptionHTML = _saved.pop("OptionHTML")
+    for name in ("log", "sd_refiner"):
+        vars(shared).pop(name, None)
+    vars(script_callbacks).pop("on_after_process", None)
+
+
+def add_options() -> None:
+    """SD.Next's own token merging options (after ``shared.reset``)."""
+    section = ("optimizations", "Optimizations")
+    shared.opts.add_option("token_merging_method", shared.OptionInfo("None", "Token merging",
+                                                                     section=section))
+    for key in ("tome_ratio", "todo_ratio"):
+        shared.opts.add_option(key, shared.OptionInfo(0.0, key, section=section))
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Pipeline:
+    """A diffusers pipeline: its ``unet``; SD.Next swaps pipeline objects between tasks."""
+
+    def __init__(self, unet: torch.nn.Module):
+        self.unet = unet
+        self.sd_checkpoint_info = object()
+        self.context_dim = 32
+
+    def switch(self) -> Pipeline:
+        """``set_diffuser_pipe``: a new pipeline object around the same modules."""
+        return Pipeline(self.unet)
+
+
+class TokenMergeAttentionProcessor:
+    """SD.Next's ToDo on attn1: at the top level, keys and values from the token grid
+    downsampled by 2 (nearest), queries whole; deeper levels as without it. Shares the UNet's
+    ``_tome_info``."""
+
+    _tome_info: dict
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 temb=None, *args, **kwargs):
+        b, n, c = hidden_states.shape
+        h, w = self._tome_info["size"]
+        if encoder_hidden_states is None and n == h * w:
+            grid = hidden_states.transpose(1, 2).reshape(b, c, h, w)
+            encoder_hidden_states = F.interpolate(grid, scale_factor=0.5, mode="nearest"
+                                                  ).flatten(2).transpose(1, 2)
+        return AttnProcessor2_0()(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+
+def apply_builtin(pipe: Pipeline) -> None:
+    o = shared.opts
+    if o.token_merging_method == "ToMe" and o.tome_ratio > 0:
+        import tomesd
+        tomesd.apply_patch(pipe.unet, ratio=o.tome_ratio, use_rand=False)
+        pipe.applied = "ToMe"
+    elif o.token_merging_method == "ToDo" and o.todo_ratio > 0:
+        unet = pipe.unet
+        unet._tome_info = {"size": None, "timestep": None, "hooks": [], "args": {
+            "ratio": o.todo_ratio, "merge_tokens": "keys/values",
+            "merge_method": "downsample", "downsample_factor": 2}}
+
+        def hook(module, args):
+            module._tome_info["size"] = tuple(args[0].shape[2:])
+            module._tome_info["timestep"] = args[1].reshape(-1)[0].item()
+
+        unet._tome_info["hooks"].append(unet.register_forward_pre_hook(hook))
+        for m in unet.modules():
+            if type(m).__name__ == "BasicTransformerBlock":
+                m.attn1.processor = TokenMergeAttentionProcessor()
+                m.attn1.processor._tome_info = unet._tome_info
+        pipe.applied = "ToDo"
+
+
+def remove_builtin(pipe: Pipeline) -> None:
+    applied = getattr(pipe, "applied", None)
+    if applied == "ToMe":
+        import tomesd
+        tomesd.remove_patch(pipe.unet)
+    elif applied == "ToDo":
+        info = vars(pipe.unet).pop("_tome_info", {})
+        for h in info.get("hooks", []):
+            h.remove()
+        for m in pipe.unet.modules():
+            if hasattr(m, "processor"):
+                m.processor = AttnProcessor2_0()
+    pipe.applied = None
+
+
+# ----------------------------------------------------------------------------- processing
+
+calls: list[tuple[str, torch.nn.Module]] = []  # (pass, UNet) per UNet call
+
+
+def _denoise(p, unet, x, steps, t_from=999.0):
+    cond, uncond = p.conds(x.shape[0])
+    for t in torch.linspace(t_from, 0.0, steps):
+        calls.append(("refiner" if getattr(p, "is_refiner_pass", False)
+                      else "hires" if p.is_hr_pass else "base", unet))
+        with torch.no_grad():
+            out = unet(torch.cat([x, x]), t, encoder_hidden_states=torch.cat([cond, uncond]))
+        eps_c, eps_u = out.sample.chunk(2)
+        x = x - 0.1 * (eps_u + p.cfg_scale * (eps_c - eps_u))
+    return x
+
+
+def _process_diffusers(p):
+    x = _denoise(p, shared.sd_model.unet, p.noise((1, 4, p.height // 8, p.width // 8)),
+                 p.steps)
+    if getattr(p, "interrupt_after_base", False):
+        shared.state.interrupted = True
+        return x
+    if p.enable_hr:
+        p.is_hr_pass = True
+        shared.sd_model = shared.sd_model.switch()
+        x = F.interpolate(x, scale_factor=p.hr_scale, mode="nearest")
+        x = x + p.noise((1, *x.shape[1:])) * p.denoising_strength
+        x = _denoise(p, shared.sd_model.unet, x, p.hr_second_pass_steps or p.steps,
+                     999.0 * p.denoising_strength)
+        p.is_hr_pass = False
+    if shared.sd_refiner is not None:
+        p.is_refiner_pass = True
+        x = _denoise(p, shared.sd_refiner.unet, x, 2, 999.0 * 0.2)
+        p.is_refiner_pass = False
+    return x
+
+
+def process_images(p):
+    """SD.Next's ``process_images`` for one txt2img batch (see the module docstring)."""
+    calls.clear()
+    p.is_refiner_pass = False
+    if p.scripts is not None:
+        p.scripts.before_process(p)
+    o = shared.opts
+    for k, v in list(p.override_settings.items()):
+        if getattr(o, k, None) == v:
+            p.override_settings.pop(k)
+    stored = {k: getattr(o, k) for k in p.override_settings}
+    base = shared.sd_model
+    try:
+        for k, v in p.override_settings.items():
+            setattr(o, k, v)
+        apply_builtin(base)
+        script_callbacks._run("before_process", p)
+        if p.scripts is not None:
+            p.scripts.process(p)
+        p.all_seeds = p.all_seeds or [int(p.seed)]
+        p.seeds = p.all_seeds
+        p.init(None, p.seeds, p.seeds)
+        if p.scripts is not None:
+            p.scripts.process_batch(p, batch_number=0, prompts=[p.prompt], seeds=p.seeds,
+                                    subseeds=p.seeds)
+        samples = _process_diffusers(p)
+        if p.scripts is not None:
+            p.scripts.postprocess_batch(p, samples, batch_number=0)
+        info = processing.create_infotext(p)
+        if o.token_merging_method in ("ToMe", "ToDo"):  # SD.Next's own key, merged or not
+            ratio = o.tome_ratio if o.token_merging_method == "ToMe" else o.todo_ratio
+            info += f", {o.token_merging_method}: {ratio}"
+        res = processing.Processed(p, [samples[0]], [info])
+        if p.scripts is not None and not shared.state.interrupted:
+            p.scripts.postprocess(p, res)
+        return res
+    finally:
+        remove_builtin(base)
+        script_callbacks._run("after_process", p)
+        if p.override_settings_restore_afterwards:
+            for k, v in stored.items():
+                setattr(o, k, v)
+        shared.sd_model = base
