@@ -7,10 +7,10 @@ import types
 import pytest
 import torch
 from models import diffusers_unet
+from webui_stub import sdnext
 from webui_stub.harness import WebUI, shared
 
 import tome
-from webui_stub import sdnext  # noqa: I001 (after the harness: it puts ``modules`` on the path)
 
 
 @pytest.fixture

@@ -24,12 +24,17 @@ nothing is copied). ``enter()`` turns the WebUI stand-in into it, ``leave()`` ba
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
-import torch
-import torch.nn.functional as F
-from diffusers.models.attention_processor import AttnProcessor2_0
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # the stand-in's ``modules`` package, as in ``harness.py``
+    sys.path.insert(0, HERE)
 
-from modules import processing, script_callbacks, scripts, shared
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: E402
+from modules import processing, script_callbacks, scripts, shared  # noqa: E402
 
 LOG: list[str] = []
 _saved: dict = {}
