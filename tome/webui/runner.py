@@ -193,6 +193,11 @@ def _routed(p: Any, unet: Any, args: tuple, kwargs: dict) -> None:
     name = gen.pass_name(p)
     if gen.routed.get(id(unet)) == name:
         return
+    if is_patched(unet) and host.is_dit(unet):
+        # A DiT's attention processors are not removed inside its own call: it keeps the
+        # setting it has (said once).
+        gen.voice.say("ToMe: this DiT keeps its first pass's setting in the passes after it")
+        return
     gen.routed[id(unet)] = name
     _patched.discard(unet)
     patch.remove(unet, during_call=True)
