@@ -26,6 +26,7 @@ LAYERS = [
     ("tome.report",),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure"),
     ("tome.measurements",),
+    ("tome.survey",),   # the host kit: the measuring service, "measure now" for every host
     ("tome",),          # the package's public API (__init__)
     ("tome.webui", "tome.comfy"),    # the hosts' layers, and everything under them
     ("tome.lab", "tome.bench"),

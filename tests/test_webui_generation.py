@@ -730,11 +730,13 @@ def test_measure_now_on_a1111_sd3_times_its_blocks(monkeypatch, tmp_path, capsys
     assert calls
     assert page.count("<tr><td>downsample</td>") == 3 and "<svg" in page
     assert page.count("<tr><td>merge</td>") == 3
-    assert page.count("skipped: merge has no DiT form; downsample pools") == 3
+    assert page.count("skipped: merge has no DiT form (a1111 sd3); use method downsample") == 3
     assert "Traceback" not in capsys.readouterr().out
 
 
 def test_measure_now_plot_of_nothing_is_empty():
+    from tome.survey import Survey
     from tome.webui import measure_now
-    assert measure_now.plot([]) == ""
-    assert "Nothing measured" in measure_now.render([], [("merge", 512, "why")])
+    assert measure_now.plot(Survey()) == ""
+    page = measure_now.render(Survey(missed=[("merge", 512, "ToMe: why")]))
+    assert "Nothing measured" in page and "skipped: why" in page and "<svg" not in page

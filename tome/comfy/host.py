@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import console as _console
-from ..measurements import MeasurementCache, Measurer, default_cache_path
+from .. import survey
+from ..measurements import Measurer
 
 
 def console(line: str) -> None:
@@ -27,14 +28,12 @@ def console(line: str) -> None:
 def cache_path() -> Path:
     """``$TOME_CACHE_DIR`` if set, else ``<ComfyUI user dir>/tome/measurements.json``, else the
     library's default."""
-    if os.environ.get("TOME_CACHE_DIR"):
-        return default_cache_path()
     try:
         import folder_paths
         user = folder_paths.get_user_directory()
     except (ImportError, AttributeError):
-        return default_cache_path()
-    return Path(user) / "tome" / "measurements.json" if user else default_cache_path()
+        user = None
+    return survey.cache_file(os.path.join(user, "tome") if user else None)
 
 
 _bars: list[Any] = []
@@ -61,8 +60,7 @@ _services: list[Measurer] = []
 def measuring_service() -> Measurer:
     """The process's one measuring service, shared by every ToMe node and the measure node."""
     if not _services:
-        _services.append(Measurer(MeasurementCache(cache_path(), say=console), say=console,
-                                  progress=progress))
+        _services.append(survey.service(cache_path().parent, console, progress))
     return _services[0]
 
 

@@ -14,13 +14,14 @@ is testable without a WebUI.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import patch, patcher, policy
+from .. import patch, patcher, policy, survey
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, denoiser, find_unet, read
-from ..measurements import MeasurementCache, Measurer, default_cache_path
+from ..measurements import Measurer
 from ..report import PatchReport
 from . import infotext, narrate
 from . import script_args as A
@@ -128,20 +129,13 @@ def cache_path() -> Any:
     """Where measurements are kept: ``$TOME_CACHE_DIR``, else the WebUI's cache folder
     (``<data dir>/cache/tome/measurements.json``; SD.Next without ``--data-dir``: its own
     folder's), else the library's default."""
-    import os
-    from pathlib import Path
-
-    if os.environ.get("TOME_CACHE_DIR"):
-        return default_cache_path()
     try:
         from modules import paths_internal
         # SD.Next's data path is empty unless --data-dir is given: its own folder then.
         base = paths_internal.data_path or getattr(paths_internal, "script_path", "")
     except (ImportError, AttributeError):
         base = ""
-    if not base:
-        return default_cache_path()
-    return Path(base).resolve() / "cache" / "tome" / "measurements.json"
+    return survey.cache_file(os.path.join(base, "cache", "tome") if base else None)
 
 
 _shown: list[Any] = []
@@ -168,8 +162,7 @@ def measuring_service() -> Measurer:
     """The process's one measuring service: its results and cache file are shared by every
     generation and by Settings > ToMe > Measure now; it speaks through ``narrate``."""
     if not _services:
-        _services.append(Measurer(MeasurementCache(cache_path(), say=narrate.console),
-                                  say=narrate.console, progress=show_progress))
+        _services.append(survey.service(cache_path().parent, narrate.console, show_progress))
     return _services[0]
 
 

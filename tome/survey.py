@@ -1,0 +1,147 @@
+"""The host kit: a host's measuring service and its "measure now", once for every host.
+
+The WebUI's Settings button and ComfyUI's measure node (and a third host's) ask the same
+question: how much faster does each level run merged, per method and image size, on this
+device. ``survey`` answers it through the host's measuring service (so the auto policy's cache
+fills), with a reason for every size not measured (too large for the memory free, a method
+with no form for the model, a contract that cannot time its blocks); ``Survey`` holds the
+table rows and the plot's points and scale. A host layer renders these: HTML and SVG in the
+WebUI, text and a PIL image in ComfyUI. ``service`` makes the measuring service a host keeps
+one of per process: its cache file in the host's own folder (``$TOME_CACHE_DIR`` wins), its
+one voice and its progress display.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import dit, methods, policy
+from .config import ToMeConfig
+from .layout import read
+from .measure import Measurement
+from .measurements import MeasurementCache, Measurer, default_cache_path
+
+BATCH = 2  # one image with classifier-free guidance: cond and uncond in one UNet call
+HEAD = ("method", "image", "level", "tokens", "unmerged ms", "merged ms", "speed-up", "auto")
+
+
+@dataclass
+class Survey:
+    """What was measured (``found``) and what was not, as ``(method, px, why)`` (``missed``)."""
+
+    found: list[Measurement] = field(default_factory=list)
+    missed: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row per method, size and level, as ``HEAD`` names the columns."""
+        return [(m.method, f"{m.latent[1] * 8}x{m.latent[0] * 8}", f"ds{r.level}",
+                 str(r.tokens), f"{r.unmerged_ms:.1f}", f"{r.merged_ms:.1f}",
+                 f"{r.speedup:.2f}x", "merge" if policy.pays(r.speedup) else "no")
+                for m in self.found for r in m.rows]
+
+    def skipped(self) -> list[tuple[str, str, str]]:
+        """``(method, image, why)`` per size not measured."""
+        return [(method, f"{px}x{px}", why.removeprefix("ToMe: "))
+                for method, px, why in self.missed]
+
+    def title(self) -> str:
+        first = self.found[0] if self.found else None
+        where = (f"Measured on {first.device} ({first.dtype}), batch {first.batch}" if first
+                 else "Nothing measured")
+        return f"{where}; the auto policy merges a level from {1 + policy.MARGIN:.2f}x"
+
+    def points(self) -> dict[str, list[tuple[int, float]]]:
+        """The first level's speed-up against image width in px, per method, by size."""
+        points: dict[str, list[tuple[int, float]]] = {}
+        for m in self.found:
+            if m.rows:
+                points.setdefault(m.method, []).append((m.latent[1] * 8, m.rows[0].speedup))
+        return {k: sorted(v) for k, v in points.items()}
+
+    def scale(self, width: int, height: int, pad: int) -> Scale | None:
+        """Where the plot's values land in a ``width x height`` picture; None: no point."""
+        points = self.points()
+        if not points:
+            return None
+        xs = [x for pts in points.values() for x, _ in pts]
+        ys = [y for pts in points.values() for _, y in pts] + [1.0, 1.0 + policy.MARGIN]
+        x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+        return Scale(width, height, pad, x0, x1, min(0.8, min(ys)), max(ys) * 1.1,
+                     sorted(set(xs)), sorted({1.0, round(max(ys), 1)}))
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A plot's axes: ``at(x, y)`` is the pixel of image width ``x`` at speed-up ``y``."""
+
+    width: int
+    height: int
+    pad: int
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    x_ticks: list[int]
+    y_ticks: list[float]
+
+    def at(self, x: float, y: float) -> tuple[float, float]:
+        w, h, p = self.width, self.height, self.pad
+        return (p + (x - self.x0) / (self.x1 - self.x0) * (w - 2 * p),
+                h - p - (y - self.y0) / (self.y1 - self.y0) * (h - 2 * p))
+
+    @property
+    def merge_line(self) -> float:
+        """The height of the speed-up above which the auto policy merges."""
+        return self.at(self.x0, 1 + policy.MARGIN)[1]
+
+
+def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | None,
+           device: Any = None, base: ToMeConfig | None = None,
+           not_timed: str = "not measured") -> Survey:
+    """Measure ``model`` (anything ``layout.read`` reads) at each square size in px with each
+    registered method (its defaults over ``base``), through ``service`` (a
+    ``measurements.Measurer``) and ``runner`` (how the host's adapter runs a block merged;
+    None where its contract cannot time this model: every size is then ``not_timed``)."""
+    out = Survey()
+    base = base or ToMeConfig(policy="auto")
+    for name in methods.names():
+        cfg = base.replace(method=name)
+        for px in sizes:
+            if runner is None:
+                out.missed.append((name, px, not_timed))
+                continue
+            m = service.get(model, (px // 8, px // 8), BATCH, cfg, device=device, runner=runner)
+            if m is None:
+                out.missed.append((name, px, service.reason or "not measured"))
+            elif not m.rows:
+                out.missed.append((name, px, _why_empty(model, cfg)))
+            else:
+                out.found.append(m)
+    return out
+
+
+def _why_empty(model: Any, cfg: ToMeConfig) -> str:
+    """Why a measurement has no row: a method without a DiT form, or no block it reaches."""
+    layout = read(model)
+    if layout.dit is not None and dit.method_for(cfg) is None:
+        return dit.no_form(cfg, layout.family)
+    return f"no block of this model is merged by {cfg.method}"
+
+
+def cache_file(folder: str | os.PathLike | None) -> Path:
+    """``$TOME_CACHE_DIR/measurements.json`` if set, else ``<folder>/measurements.json`` (the
+    host's own folder, made absolute), else the library's default."""
+    if os.environ.get("TOME_CACHE_DIR") or not folder:
+        return default_cache_path()
+    return Path(folder).resolve() / "measurements.json"
+
+
+def service(folder: str | os.PathLike | None, say: Callable[[str], Any],
+            progress: Callable[[str | None], Any] | None = None) -> Measurer:
+    """A measuring service with its cache in ``folder`` (``cache_file``), one line per event
+    through ``say``, and ``progress`` shown while a size is measured."""
+    return Measurer(MeasurementCache(cache_file(folder), say=say), say=say, progress=progress)
