@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import tome
 from tome import attend, dit, processors
+from tome.config import PRESETS, ToMeConfig, preset
 
 diffusers = pytest.importorskip("diffusers")
 H, W, T = 5, 7, 3   # odd grid: partial cells at the right and bottom edges
@@ -218,7 +219,7 @@ def test_residual_reuse_keeps_full_minus_pooled_and_adds_it_between_refreshes():
     reusing = processors.PoolingProcessor(attn.processor, src, True)
     pooled = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T), True)
     g = torch.Generator().manual_seed(3)
-    kept = None
+    kept = slope = None
     # progress of each call; 0.0 again: a new generation starts with a refresh
     for step, p in enumerate([0.0, 0.25, 0.5, 0.75, 0.0, 0.25]):
         hs = torch.randn(1, H * W, 32, generator=g, dtype=torch.float64)
@@ -233,10 +234,14 @@ def test_residual_reuse_keeps_full_minus_pooled_and_adds_it_between_refreshes():
         for i in range(2):  # image and text outputs (both affine in the attention output)
             if refresh:
                 torch.testing.assert_close(out[i], full[i])
-            else:
+            elif slope is None:  # one refresh so far: the residual as kept
                 torch.testing.assert_close(out[i], pool[i] + kept[i])
+            else:  # two: extrapolated one step on from the last (2 steps between refreshes)
+                torch.testing.assert_close(out[i], pool[i] + kept[i] + slope[i] / 2)
         if refresh:
-            kept = [f - q for f, q in zip(full, pool)]
+            new = [f - q for f, q in zip(full, pool)]
+            slope = None if step == 0 or step == 4 else [a - b for a, b in zip(new, kept)]
+            kept = new
     assert len(src.reuse.kept) == 1  # one residual per block: the memory it keeps
 
 
@@ -257,3 +262,59 @@ def test_reuse_on_a_patched_dit_changes_only_the_steps_between_refreshes():
     finally:
         tome.remove_patch(model)
     assert not torch.allclose(reused, ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- presets per kind
+
+def test_presets_resolve_per_model_kind():
+    from tome.config import DIT_FIELDS, DIT_PRESETS, UNET_PRESETS, resolved
+    # UNet fields: exactly what the presets were before DiT points joined them
+    assert UNET_PRESETS == {
+        "quality": {"method": "downsample", "downsample_factor": 2, "policy": "auto"},
+        "balanced": {"method": "merge", "ratio": 0.5, "policy": "auto"},
+        "fast": {"method": "downsample", "downsample_factor": 4, "max_downsample": 2,
+                 "policy": "auto"}}
+    for name in PRESETS:
+        cfg = preset(name, policy="fixed")
+        assert cfg.policy == "fixed"
+        assert {k: getattr(cfg, k) for k in UNET_PRESETS[name] if k != "policy"} == \
+            {k: v for k, v in UNET_PRESETS[name].items() if k != "policy"}
+        assert set(DIT_PRESETS[name]) <= set(DIT_FIELDS)
+        assert {k: getattr(cfg, k) for k in DIT_PRESETS[name]} == DIT_PRESETS[name]
+    q = preset("quality")
+    assert resolved(q, "UNet") == "downsample x2"
+    assert resolved(q, "DiT").startswith(dit.schedule_of(q).describe())
+    assert "residual reuse every" in resolved(q, "DiT")
+    assert resolved(preset("balanced"), "DiT") == "merge: no DiT form, not pooled"
+
+
+def test_a_unet_patched_with_a_preset_is_unchanged_by_the_dit_fields():
+    from models import ldm_inputs, ldm_unet, run
+    unet = ldm_unet()
+    x, t, c = ldm_inputs()
+    for name in ("quality", "fast"):
+        cfg = preset(name, policy="fixed")
+        outs = []
+        for config in (cfg, ToMeConfig(**{k: getattr(cfg, k) for k in
+                                          ("method", "downsample_factor", "max_downsample",
+                                           "policy")})):
+            tome.apply_patch(unet, config=config)
+            outs.append(run(unet, x, t, c))
+            tome.remove_patch(unet)
+        assert torch.equal(*outs)
+
+
+def test_a_dit_patched_with_a_preset_runs_the_dit_point():
+    from tome.lab import tinydit
+    model = tinydit.build_model()
+    for name in ("quality", "fast"):
+        tome.apply_patch(model, config=preset(name, policy="fixed"))
+        try:
+            state = vars(model.transformer)[processors.STATE_ATTR]
+            want = dit.Schedule.parse(PRESETS[name]["schedule"])
+            assert state.schedule.items == want.items
+            assert state.reuse.every == PRESETS[name]["reuse"]
+            report = tome.patch_report(model)
+            assert report.kind == "DiT" and report.levels
+        finally:
+            tome.remove_patch(model)

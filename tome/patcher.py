@@ -155,8 +155,16 @@ class DitAttn1Patch:
         self.planner = Planner(config, layout.dit.patch, None, [layout.dit.patch],
                                method=self.method, window=window)
         self.doubles = sum(b.kind == "double" for b in layout.blocks)
-        self.chosen = {i for i, b in enumerate(layout.blocks)
-                       if dit.selects(config.blocks, i, b.kind)}
+        # The schedule's factor per block (ignoring its per-item windows: this form sees
+        # sigmas, and the planner's window is start/end). Proportional attention and residual
+        # reuse need the kernel's inputs and output: the form hands back q, k, v only.
+        schedule, n = dit.schedule_of(config), len(layout.blocks)
+        self.factors = {i: schedule.factor(i, b.kind, n, None)
+                        for i, b in enumerate(layout.blocks)}
+        self.chosen = {i for i, f in self.factors.items() if f}
+        self.limits = [x for x, on in (("proportional attention", config.proportional),
+                                       ("residual reuse", config.reuse),
+                                       ("per-step schedule windows", schedule.varies())) if on]
         self.skipped: list[tuple[Any, str]] = []
         self.first: Any = None
         self.call: Call | None = None
@@ -207,6 +215,9 @@ class DitAttn1Patch:
         plan = self.planner.plan(self.call, q.new_zeros(()).expand(q.shape[0], h * w, 1))
         if plan is None:
             return {}
+        f = self.factors[position]
+        if f != plan.factor:
+            plan = self.call.plans.setdefault(("factor", f, h, w), plan.with_factor(f))
         start = int(span[0])
         if pe is None:
             return {"k": plan.pool(k, start, 2), "v": plan.pool(v, start, 2)}
@@ -269,13 +280,6 @@ def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: to
     if kv is not None:
         return queries, kv, kv
     return (queries, queries, queries) if self_attention else (queries, k, v)
-
-
-def block_runner(layout: _layout.Layout) -> Callable | None:
-    """How a block of this model runs merged for measuring under the ModelPatcher contract:
-    ``run_block`` for a UNet; None for a DiT, whose blocks are not timed through this contract
-    (the auto policy's token thresholds decide there)."""
-    return run_block if layout.dit is None else None
 
 
 NOT_TIMED = ("this host's DiT blocks are not timed through its patch contract; the auto "
@@ -362,43 +366,30 @@ def attn1_replacements(unet_patcher: Any) -> Mapping:
         "attn1") or {}
 
 
-def patch_unet(unet_patcher: Any, config: ToMeConfig,
-               sampling_patcher: Callable[[], Any] | None = None, measurer: Any = None
-               ) -> tuple[Any, PatchReport]:
-    """A clone of the ``ModelPatcher`` carrying the ToMe patches, and the report.
+def patch_unet(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig,
+               sampling_patcher: Callable[[], Any] | None = None, measurer: Any = None,
+               runner: Callable | None = None) -> tuple[Any, PatchReport]:
+    """A clone of the ``ModelPatcher`` carrying the ToMe patches of its UNet (``layout``), and
+    the report (``adapters.patch_model_patcher`` chooses this form).
 
     ``sampling_patcher`` returns the patcher that will actually sample (a host's current
     ``forge_objects.unet``: extensions that run after us clone ours and add their own patches);
     blocks whose attn1 it replaces are left alone (``report.skipped`` fills while sampling).
-    Without it, our clone's are used. Idempotent: Forge may call
-    ``process_before_every_sampling`` twice for one pass, and a patcher that already carries
-    our patches is returned with its report. A DiT the layout reads (ComfyUI's Flux,
-    Qwen-Image) gets ``DitAttn1Patch``; a model with neither UNet transformer blocks nor a
-    readable DiT raises ``UnsupportedModelError``; settings that merge nothing are the report's
+    Without it, our clone's are used. Settings that merge nothing are the report's
     ``nothing``, and the patcher is returned unchanged. ``measurer``: a
     ``measurements.Measurer``; with the ``auto`` policy it measures the patcher's UNet (through
-    ``run_block``) at the first call of each size, where the host has moved it to its device.
+    ``runner``, ``run_block``) at the first call of each size, where the host has moved it to
+    its device.
     """
-    done = getattr(unet_patcher, MARK, None)
-    if done is not None:
-        return unet_patcher, done.report
-    model = getattr(unet_patcher, "model", None)
-    layout = _layout.read(model)
-    if layout.dit is not None:
-        return _patch_dit(unet_patcher, layout, config)
     diffusion_model = layout.root
     max_ds = layout.auto_level(config.max_downsample)
     levels = {lv: len(layout.at(lv)) for lv in layout.levels if lv <= max_ds}
-    report = PatchReport(family=layout.family, config=config, max_downsample=max_ds,
-                         levels=levels, total_blocks=len(layout.blocks), adapter=ATTN1_PATCH,
-                         unmergeable=layout.nothing_to_merge(config.max_downsample))
-    if not config.active:
-        report.unmergeable = "ToMe: these settings change nothing"
+    report = PatchReport.of(layout, config, ATTN1_PATCH, max_downsample=max_ds, levels=levels)
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()
     current = sampling_patcher or (lambda: unet)
-    measured = measurer.for_model(diffusion_model, config, run_block) \
+    measured = measurer.for_model(diffusion_model, config, runner or run_block) \
         if measurer is not None else None
     patch = Attn1Patch(config, max_ds, sorted(levels), lambda: attn1_replacements(current()),
                        measured, window_of(unet_patcher, config))
@@ -410,24 +401,19 @@ def patch_unet(unet_patcher: Any, config: ToMeConfig,
     return unet, report
 
 
-def _patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
-               ) -> tuple[Any, PatchReport]:
-    """The DiT half of ``patch_unet``: one ``DitAttn1Patch`` on a clone. The auto policy
-    decides by the device kind's token thresholds here (a DiT block is not timed through this
-    contract)."""
+def patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
+              ) -> tuple[Any, PatchReport]:
+    """ComfyUI's DiT call form (``adapters.patch_model_patcher`` chooses it): one
+    ``DitAttn1Patch`` on a clone. The auto policy decides by the device kind's token
+    thresholds here (a DiT block is not timed through this contract)."""
     method = dit.method_for(config)
     chosen = [b for i, b in enumerate(layout.blocks) if dit.selects(config.blocks, i, b.kind)]
     p = layout.dit.patch
-    report = PatchReport(family=layout.family, config=config, max_downsample=p,
-                         levels={p: len(chosen)} if chosen and method else {},
-                         total_blocks=len(layout.blocks), adapter=ATTN1_PATCH, kind="DiT",
-                         rope=layout.dit.rope,
-                         unmergeable=None if method else dit.no_form(config, layout.family))
-    if method is not None and not chosen:
+    report = PatchReport.of(layout, config, ATTN1_PATCH, max_downsample=p,
+                            levels={p: len(chosen)} if chosen and method else {})
+    if report.unmergeable is None and not chosen:
         report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
                               f"has {len(layout.blocks)}, double-stream first)")
-    if not config.active:
-        report.unmergeable = "ToMe: these settings change nothing"
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()

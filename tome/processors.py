@@ -164,46 +164,6 @@ class PoolingProcessor:
         return _joint(attn, plan, hidden_states, encoder_hidden_states, self)
 
 
-_BACKENDS: dict[Any, tuple[bool, bool]] = {}  # backend -> (takes a mask, takes a scale)
-
-
-def _backend(name: Any) -> tuple[bool, bool]:
-    """Whether diffusers' attention backend ``name`` takes an additive mask (native SDPA and
-    its variants; the dispatcher silently drops arguments a backend lacks) and a scale."""
-    if name not in _BACKENDS:
-        from diffusers.models.attention_dispatch import (
-            AttentionBackendName,
-            _AttentionBackendRegistry,
-        )
-        b = AttentionBackendName(name)
-        args = _AttentionBackendRegistry._supported_arg_names.get(b, ())
-        _BACKENDS[name] = ("attn_mask" in args and "native" in b.value, "scale" in args)
-    return _BACKENDS[name]
-
-
-def _dispatch(original: Any):
-    """diffusers' dispatcher with ``original``'s backend ([B, S, heads, D]): the bias as a
-    [1, 1, 1, S] mask where the backend takes one; otherwise (flash-attn, sage, xformers...)
-    as ``_attend.count_channel``'s extra channel, which any kernel runs."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
-    backend = getattr(original, "_attention_backend", None)
-    kw = {"backend": backend, "parallel_config": getattr(original, "_parallel_config", None)}
-
-    def kernel(q, k, v, bias):
-        if bias is None:
-            return dispatch_attention_fn(q, k, v, **kw)
-        masks, scaled = _backend(backend or _AttentionBackendRegistry.get_active_backend()[0])
-        if masks:
-            return dispatch_attention_fn(q, k, v, attn_mask=bias.to(q.dtype).view(1, 1, 1, -1),
-                                         **kw)
-        d = q.shape[-1]
-        q, k, v = _attend.count_channel(q, k, v, bias, 1,
-                                    None if scaled else _attend.channel_width(d) ** -0.5)
-        extra = {"scale": d ** -0.5} if scaled else {}
-        return dispatch_attention_fn(q, k, v, **extra, **kw)[..., :d]
-    return kernel
-
-
 def _flux(wrapper: PoolingProcessor, attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor,
           ehs: torch.Tensor | None, emb: Any) -> Any:
     """diffusers' ``FluxAttnProcessor`` with the image keys/values pooled. Sequence dim 1,
@@ -230,7 +190,7 @@ def _flux(wrapper: PoolingProcessor, attn: nn.Module, plan: dit.DitPlan, hs: tor
         start = ehs.shape[1]
     if start + plan.h * plan.w > k.shape[1]:  # not the sequence the plan was made for
         return original(attn, hs, ehs, None, emb)
-    out = _attend.attend(wrapper, _dispatch(original), plan, q, k, v, start, 1, emb,
+    out = _attend.attend(wrapper, _attend.dispatch(original), plan, q, k, v, start, 1, emb,
                   lambda x, e: apply_rotary_emb(x, e, sequence_dim=1))
     out = out.flatten(2, 3).to(q.dtype)
     if ehs is None:
