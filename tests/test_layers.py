@@ -25,6 +25,7 @@ LAYERS = [
     ("tome.plan",),
     ("tome.report",),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure"),
+    ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
     ("tome.measurements",),
     ("tome.survey",),   # the host kit: the measuring service, "measure now" for every host
     ("tome",),          # the package's public API (__init__)

@@ -11,7 +11,7 @@ from models import TINY_SD15, ldm_inputs, ldm_unet, run
 
 import tome
 from tome import config, methods, policy
-from tome import patcher as mp
+from tome.adapters import patch_model_patcher as patch_unet
 from tome.config import ToMeConfig
 from tome.lab.settings import Setting
 
@@ -104,7 +104,7 @@ def test_a_new_method_works_through_the_patcher_contract(subsample):
     from stubs import Patcher, self_attention_block
 
     patcher = Patcher(ldm_unet(TINY_SD15))
-    unet, patch = mp.patch_unet(patcher, ToMeConfig(method="subsample",
+    unet, patch = patch_unet(patcher, ToMeConfig(method="subsample",
                                                        downsample_factor=2))
     x = torch.randn(2, 16 * 16, 8)
     out = self_attention_block(unet, x, (2, 4, 16, 16))

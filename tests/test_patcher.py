@@ -14,6 +14,7 @@ from stubs import FluxLike, Patcher, forge_unet, self_attention_block
 import tome
 from tome import merge
 from tome import patcher as mp
+from tome.adapters import patch_model_patcher as patch_unet
 from tome.config import ToMeConfig
 
 
@@ -24,7 +25,7 @@ def patcher():
 
 def test_merges_self_attention_like_the_plan(patcher):
     x = torch.randn(2, 16 * 16, 8)
-    unet, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, use_rand=False))
+    unet, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, use_rand=False))
     assert patch.max_downsample == 1 and not patcher.patches["attn1_patch"]  # original untouched
     out = self_attention_block(unet, x, (2, 4, 16, 16))
     n = F.layer_norm(x, x.shape[-1:])
@@ -37,7 +38,7 @@ def test_merges_self_attention_like_the_plan(patcher):
 
 
 def test_deeper_levels_and_cross_attention_attn1(patcher):
-    unet, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5))
+    unet, patch = patch_unet(patcher, ToMeConfig(ratio=0.5))
     x = torch.randn(2, 8 * 8, 8)  # a ds2 block of a 16x16 latent: not merged at auto (1)
     base = self_attention_block(Patcher(None), x, (2, 4, 16, 16))
     assert torch.equal(self_attention_block(unet, x, (2, 4, 16, 16)), base)
@@ -47,7 +48,7 @@ def test_deeper_levels_and_cross_attention_attn1(patcher):
 
 
 def test_downsample_pools_keys_and_values(patcher):
-    unet, patch = mp.patch_unet(patcher, ToMeConfig(method="downsample", downsample_factor=2))
+    unet, patch = patch_unet(patcher, ToMeConfig(method="downsample", downsample_factor=2))
     seen = []
     unet.set_model_attn1_patch(lambda n, k, v, e: (seen.append(k.shape), (n, k, v))[1])
     x = torch.randn(2, 256, 8)
@@ -56,15 +57,15 @@ def test_downsample_pools_keys_and_values(patcher):
 
 
 def test_idempotent_inactive_and_seeded(patcher):
-    unet, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))
-    assert mp.patch_unet(unet, ToMeConfig(ratio=0.5, seed=3)) == (unet, patch)
+    unet, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))
+    assert patch_unet(unet, ToMeConfig(ratio=0.5, seed=3)) == (unet, patch)
     assert len(unet.patches["attn1_patch"]) == 1
-    same, report = mp.patch_unet(patcher, ToMeConfig(ratio=0.0))
+    same, report = patch_unet(patcher, ToMeConfig(ratio=0.0))
     assert same is patcher and report.nothing == "ToMe: these settings change nothing"
     x = torch.randn(2, 256, 8)
     state = torch.get_rng_state()
     a = self_attention_block(unet, x, (2, 4, 16, 16), sigma=2.0)
-    b = self_attention_block(mp.patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))[0], x,
+    b = self_attention_block(patch_unet(patcher, ToMeConfig(ratio=0.5, seed=3))[0], x,
                              (2, 4, 16, 16), sigma=2.0)
     assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
 
@@ -74,7 +75,7 @@ def test_blocks_whose_attn1_another_patch_replaces_are_left_alone(patcher):
     attention map, on a clone of our patcher made after us; with max_downsample 8 merging
     there failed inside SAG (real Forge: HTTP 500 in create_blur_map)."""
     host = {}
-    ours, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8),
+    ours, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8),
                                    lambda: host["unet"])
     seen = []
 
@@ -99,7 +100,7 @@ def test_blocks_whose_attn1_another_patch_replaces_are_left_alone(patcher):
 def test_a_block_that_would_not_be_merged_is_never_reported_as_skipped(patcher):
     """reForge's SAG replaces the middle block's attn1; with max_downsample 1 that block would
     never be merged, so no 'skipped' note may claim otherwise."""
-    ours, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=1))
+    ours, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=1))
     ours.set_model_attn1_replace(lambda q, k, v, extra: F.scaled_dot_product_attention(q, k, v),
                                  "middle", 0, 0)
     x = torch.randn(2, 4 * 4, 8)  # the middle block of a 32x32 latent (ds8)
@@ -110,7 +111,7 @@ def test_a_block_that_would_not_be_merged_is_never_reported_as_skipped(patcher):
 def test_a_replacement_keyed_by_block_name_and_number_counts_too(patcher):
     """Forge and ldm_patched look a replacement up by (name, number, index), then (name,
     number)."""
-    ours, patch = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
+    ours, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
     to = ours.model_options["transformer_options"]
     to.setdefault("patches_replace", {}).setdefault("attn1", {})[("middle", 0)] = print
     assert getattr(ours, mp.MARK)._replaced(("middle", 0, 0), {})
@@ -126,14 +127,14 @@ def test_both_adapters_report_alike(patcher):
         unet = ldm_unet(TINY_SD15)
         hooks = patch.apply(unet, cfg)
         patch.remove(unet)
-        _, attn1 = mp.patch_unet(Patcher(ldm_unet(TINY_SD15)), cfg)
+        _, attn1 = patch_unet(Patcher(ldm_unet(TINY_SD15)), cfg)
         assert type(hooks) is type(attn1) and hooks.nothing is attn1.nothing is None
         fields = ("family", "max_downsample", "levels", "total_blocks", "unmergeable")
         assert [getattr(hooks, f) for f in fields] == [getattr(attn1, f) for f in fields]
         assert hooks.planner.levels == attn1.planner.levels == sorted(hooks.levels)
     deep = ToMeConfig(ratio=0.5, max_downsample=1)
     unet = Patcher(ldm_unet(TINY_SDXL))  # SDXL has no block at full resolution
-    same, report = mp.patch_unet(unet, deep)
+    same, report = patch_unet(unet, deep)
     assert same is unet and not unet.patches["attn1_patch"]
     assert report.nothing.startswith("ToMe: max_downsample=1 merges nothing on this model")
     hooks = patch.apply(unet.model.diffusion_model, deep)
@@ -144,7 +145,7 @@ def test_both_adapters_report_alike(patcher):
 def test_a_model_without_a_unet_is_refused_and_left_unpatched():
     dit = Patcher(FluxLike())
     with pytest.raises(tome.UnsupportedModelError, match="FluxLike has no UNet transformer"):
-        mp.patch_unet(dit, ToMeConfig(ratio=0.5))
+        patch_unet(dit, ToMeConfig(ratio=0.5))
     assert not dit.patches["attn1_patch"] and getattr(dit, mp.MARK, None) is None
 
 
@@ -159,7 +160,7 @@ def test_run_block_merges_as_the_patched_forge_block_does():
     cfg = ToMeConfig(ratio=0.5, use_rand=False)
     planner = Planner(cfg, 1)
     plan = planner.plan(planner.begin((16, 16), x.device, None), block.norm1(x))
-    ours, patch = mp.patch_unet(Patcher(unet), cfg)
+    ours, patch = patch_unet(Patcher(unet), cfg)
     options = {"patches": ours.patches, "original_shape": [2, 4, 16, 16], "block": ("input", 1),
                "block_index": 0}
     expected = block(x, context=ctx, transformer_options=options)
@@ -176,7 +177,7 @@ def test_forge_measures_at_the_first_call_of_a_size(tmp_path):
     calls, said = [], []
     service = Measurer(MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
                        clock=fake_clock(2.0, calls))
-    ours, patch = mp.patch_unet(Patcher(forge_unet()), ToMeConfig(policy="auto"),
+    ours, patch = patch_unet(Patcher(forge_unet()), ToMeConfig(policy="auto"),
                                    measurer=service)
     x = torch.randn(2, 256, 8)
     out = self_attention_block(ours, x, (2, 4, 16, 16))
@@ -198,7 +199,7 @@ def test_forge_measures_under_inference_mode_then_again_under_no_grad(tmp_path, 
     service = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), say=said.append, rounds=1,
                          warmup=0)
     unet = forge_unet()
-    ours, patch = mp.patch_unet(Patcher(unet), ToMeConfig(policy="auto"), measurer=service)
+    ours, patch = patch_unet(Patcher(unet), ToMeConfig(policy="auto"), measurer=service)
     with torch.inference_mode():
         self_attention_block(ours, torch.randn(2, 256, 8), (2, 4, 16, 16))
     with torch.no_grad():
@@ -218,7 +219,7 @@ def test_forge_window_in_sigmas(patcher, predictor, start, end, expect):
     from stubs import SD15_SIGMAS
     if not predictor:
         del patcher.model.predictor
-    unet, report = mp.patch_unet(patcher, ToMeConfig(ratio=0.5, start=start, end=end))
+    unet, report = patch_unet(patcher, ToMeConfig(ratio=0.5, start=start, end=end))
     x = torch.randn(2, 256, 8)
     merged = [not torch.equal(self_attention_block(unet, x, (2, 4, 16, 16), sigma=s),
                               self_attention_block(Patcher(None), x, (2, 4, 16, 16), sigma=s))

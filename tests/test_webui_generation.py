@@ -430,7 +430,7 @@ def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys
 def test_a_patch_that_fails_is_one_line_and_an_unmerged_image(webui, monkeypatch, capsys):
     from tome import patch
 
-    def broken(model, config, measurer=None):
+    def broken(model, config, measurer=None, layout=None):
         raise RuntimeError("unexpected layout")
     monkeypatch.setattr(patch, "apply", broken)
     res = webui.generate(tome=on())

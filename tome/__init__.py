@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from . import adapters as _adapters
 from . import patch as _patch
 from .config import PRESETS, ToMeConfig, preset
 from .layout import UnsupportedModelError, find_unet
@@ -68,7 +69,7 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
         from .measurements import Measurer
         # A service: ``measurements.Measurer`` or anything with its ``for_model``.
         measurer = measure if hasattr(measure, "for_model") else Measurer()
-    report = _patch.apply(model, config, measurer)
+    report = _adapters.apply(model, config, measurer)
     # Each once per message (``warnings``' default), so re-applying per pass does not spam.
     for note in report.notes():
         warnings.warn(note, stacklevel=2)
@@ -82,7 +83,7 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
 
 def remove_patch(model: Any) -> Any:
     """Remove the patch; the model's outputs are then bit-identical to the unpatched model."""
-    return _patch.remove(model)
+    return _adapters.remove(model)
 
 
 def is_patched(model: Any) -> bool:

@@ -14,7 +14,8 @@ apply it through the method (``methods.py``: which sub-layers, what they receive
 their output is restored). Which blocks merge, how destinations are drawn and when matching
 runs are decided in ``plan.py``, shared with the ModelPatcher adapter (``patcher.py``); the
 UNet's structure is read in ``layout.py``. Both adapters answer with ``report.PatchReport``.
-DiTs (diffusers Flux and SD3) have no such blocks: ``apply`` hands them to ``processors.py``.
+DiTs (diffusers Flux and SD3) have no such blocks: ``adapters.py`` hands them to
+``processors.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from . import layout as _layout
-from . import methods, processors
+from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, unusable
@@ -250,43 +251,30 @@ def run_block(block: nn.Module, x: torch.Tensor, context: torch.Tensor | None,
             h.remove()
 
 
-def block_runner(layout: _layout.Layout) -> Any:
-    """How a block of this model runs merged for measuring under the hooks contract: the
-    hooks' ``run_block`` for a UNet, the attention processors' runner for a DiT (its blocks
-    take the joint call, not ``(x, context)``)."""
-    return processors.runner(layout) if layout.dit is not None else run_block
-
-
 # ----------------------------------------------------------------------------- public API
 
-def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
-    """Patch ``model`` with ``config`` and say what was done. Atomic: on any error the model
-    is left as it was. A model with neither UNet transformer blocks nor a DiT the layout reads
-    raises ``UnsupportedModelError``; settings that merge no block of it are the report's
-    ``nothing`` (settings that change nothing, e.g. ratio 0, leave the model unhooked, as the
-    attn1 patch does; a level the model lacks leaves hooks that change nothing).
+def apply(model: Any, config: ToMeConfig, measurer: Any = None,
+          layout: _layout.Layout | None = None) -> PatchReport:
+    """Hook ``model``'s UNet (``layout``, read if not given; ``adapters.apply`` chooses this
+    adapter) with ``config`` and say what was done. Atomic: on any error the model is left as
+    it was. Settings that merge no block are the report's ``nothing`` (settings that change
+    nothing, e.g. ratio 0, leave the model unhooked, as the attn1 patch does; a level the
+    model lacks leaves hooks that change nothing).
 
     ``measurer``: for the ``auto`` policy, the measuring service
     (``measurements.Measurer``); the planner asks it at the first call of each latent size,
     through ``run_block``.
     """
-    layout = _layout.read(model)
+    layout = layout or _layout.read(model)
     remove(layout.root)
-    if layout.dit is not None:  # Flux, SD3: the attention processors pool image keys/values
-        report = processors.apply(model, layout, config, measurer)
-        report.rope = layout.dit.rope
-        return report
     unet, method = layout.root, methods.get(config.method)
     replaced = _tomesd_patched(unet)
     if replaced:
         remove_tomesd(unet)
     max_ds = layout.auto_level(config.max_downsample)
-    report = PatchReport(family=layout.family, config=config, max_downsample=max_ds,
-                         total_blocks=len(layout.blocks), replaced_tomesd=replaced,
-                         adapter=HOOKS, unmergeable=layout.nothing_to_merge(
-                             config.max_downsample))
+    report = PatchReport.of(layout, config, HOOKS, max_downsample=max_ds,
+                            replaced_tomesd=replaced)
     if not config.active:  # as the attn1 patch answers: nothing to hook
-        report.unmergeable = "ToMe: these settings change nothing"
         return report
     targets = []
     for b in layout.blocks:
@@ -331,9 +319,7 @@ def remove(model: Any, during_call: bool = False) -> Any:
     the setting per call, SD.Next). torch holds that call's pre-hooks, and calls a keyword
     hook removed meanwhile without its keywords, so the call hook stays registered, inert,
     until ``flush`` (after the generation)."""
-    unet = _patched_unet(model)
-    if processors.remove(unet):
-        return model
+    unet = patched_root(model)
     state = vars(unet).pop(STATE_ATTR, None)
     if state is not None:
         state.removed, state.call = True, None
@@ -363,7 +349,7 @@ def begin_call(model: Any, args: tuple, kwargs: dict) -> None:
         hooks.unet_pre(None, args, kwargs)
 
 
-def _patched_unet(model: Any) -> nn.Module:
+def patched_root(model: Any) -> nn.Module:
     """The module that carries our state: ``model`` itself if it does, else its UNet."""
     return model if hasattr(model, STATE_ATTR) else _layout.find_unet(model)
 
@@ -371,6 +357,6 @@ def _patched_unet(model: Any) -> nn.Module:
 def state_of(model: Any) -> _State | None:
     """The patch's state on ``model``, or None (the library's ``is_patched``, ``patch_report``)."""
     try:
-        return getattr(_patched_unet(model), STATE_ATTR, None)
+        return getattr(patched_root(model), STATE_ATTR, None)
     except UnsupportedModelError:
         return None

@@ -1,10 +1,10 @@
-"""What a patch did: the one report both host adapters return.
+"""What a patch did: the one report every adapter returns.
 
-``patch.apply`` (hooks) and ``patcher.patch_unet`` (the ModelPatcher contract) answer with the
-same ``PatchReport``, so a host's runner handles both alike: the family, the levels and blocks
-that may merge, the blocks left alone and why, the planner (its live decisions and token
-figures), and why nothing is merged at all as data (``nothing``), never as an exception on
-one path and a warning on the other.
+Every adapter (hooks, processors, the ModelPatcher's attn1 forms; ``adapters.py`` chooses)
+answers with a ``PatchReport`` built by ``PatchReport.of`` from the model's layout, so a host
+handles them alike: the family and kind, the levels and blocks that may merge, the blocks left
+alone and why, the planner (its live decisions and token figures), and why nothing is merged
+at all as data (``nothing``), never as an exception on one path and a warning on another.
 """
 
 from __future__ import annotations
@@ -40,6 +40,25 @@ class PatchReport:
     unmergeable: str | None = None  # why the settings merge no level of this model
     kind: str = "UNet"  # or "DiT": its blocks' image keys/values are pooled
     rope: bool = False  # a DiT with rotary positions (the ``rope`` option applies)
+
+    @classmethod
+    def of(cls, layout: Any, config: ToMeConfig, adapter: str, **more: Any) -> PatchReport:
+        """The report of patching ``layout``'s model with ``config`` through ``adapter``: the
+        family, kind ("UNet" or "DiT"), block count and RoPE come from the layout, and why
+        nothing would be merged (settings that change nothing, a level the model lacks, a
+        method without a DiT form) is set before anything is patched."""
+        from . import dit
+        report = cls(family=layout.family, config=config, adapter=adapter,
+                     total_blocks=len(layout.blocks), kind="DiT" if layout.dit else "UNet",
+                     rope=bool(layout.dit and layout.dit.rope),
+                     max_downsample=more.pop("max_downsample", 0), **more)
+        if not config.active:
+            report.unmergeable = "ToMe: these settings change nothing"
+        elif layout.dit is not None and dit.method_for(config) is None:
+            report.unmergeable = dit.no_form(config, layout.family)
+        elif layout.dit is None:
+            report.unmergeable = layout.nothing_to_merge(config.max_downsample)
+        return report
 
     @property
     def patched_blocks(self) -> int:

@@ -114,6 +114,9 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
             if runner is None:
                 out.missed.append((name, px, not_timed))
                 continue
+            if _no_form(model, cfg):  # nothing to time: said in the table, not measured
+                out.missed.append((name, px, _no_form(model, cfg)))
+                continue
             m = service.get(model, (px // 8, px // 8), BATCH, cfg, device=device, runner=runner)
             if m is None:
                 out.missed.append((name, px, service.reason or "not measured"))
@@ -124,12 +127,17 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
     return out
 
 
-def _why_empty(model: Any, cfg: ToMeConfig) -> str:
-    """Why a measurement has no row: a method without a DiT form, or no block it reaches."""
+def _no_form(model: Any, cfg: ToMeConfig) -> str | None:
+    """The line for a method with no form for this model (merge on a DiT), or None."""
     layout = read(model)
     if layout.dit is not None and dit.method_for(cfg) is None:
         return dit.no_form(cfg, layout.family)
-    return f"no block of this model is merged by {cfg.method}"
+    return None
+
+
+def _why_empty(model: Any, cfg: ToMeConfig) -> str:
+    """Why a measurement has no row."""
+    return _no_form(model, cfg) or f"no block of this model is merged by {cfg.method}"
 
 
 def cache_file(folder: str | os.PathLike | None) -> Path:

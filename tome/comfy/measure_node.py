@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import patcher, policy
+from .. import adapters, patcher, policy
 from ..layout import UnsupportedModelError, read
 from ..measurements import Measurer
 from ..survey import HEAD, Survey, survey
@@ -50,7 +50,7 @@ def run(model: Any, sizes: list[int], service: Measurer,
         line = f"{e}; nothing to measure"
         service.say(line)
         return line, plot(Survey())
-    runner = patcher.block_runner(layout)
+    runner = adapters.runner(layout, adapters.MODEL_PATCHER)
     device = load(model) if runner is not None else None
     found = survey(layout, sizes, service, runner, device, DEFAULT,
                    not_timed=f"not measured: {patcher.NOT_TIMED}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import patcher, policy
+from .. import adapters, patcher, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from . import host, inputs, measure_node
@@ -29,7 +29,7 @@ class SamplingGuard:
     """A ComfyUI ``diffusion_model`` wrapper on our clone (clones made after ours inherit it):
     at every UNet call it sees the patches of the patcher that actually samples. It drops the
     patches of another token merging added after ours (ComfyUI's built-in ``TomePatchModel``),
-    so tokens are never merged twice, and keeps ``view`` (what ``patcher.patch_unet`` reads
+    so tokens are never merged twice, and keeps ``view`` (what the attn1 patch reads
     as the sampling patcher) current, so blocks whose attn1 another node replaces (Self-Attention
     Guidance, PAG) are left alone."""
 
@@ -123,7 +123,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     guard = SamplingGuard(say)
     service = host.measuring_service() if config.policy == "auto" else None
     try:
-        clone, report = patcher.patch_unet(base, config, lambda: guard.view, service)
+        clone, report = adapters.patch_model_patcher(base, config, lambda: guard.view, service)
     except UnsupportedModelError as e:
         say(f"{e}; {PASSES}")
         return model

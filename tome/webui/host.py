@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import patch, patcher, policy, survey
+from .. import adapters, policy, survey
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, denoiser, find_unet, read
 from ..measurements import Measurer
@@ -185,9 +185,9 @@ def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None) -> PatchR
     A1111's UNet in place (``patch.py``). Raises ``UnsupportedModelError`` for a model
     without UNet transformer blocks; a report whose ``nothing`` is set changed nothing."""
     if not forge(model):
-        return patch.apply(model, cfg, service)
-    unet, report = patcher.patch_unet(model.forge_objects.unet, cfg,
-                                      lambda: model.forge_objects.unet, service)
+        return adapters.apply(model, cfg, service)
+    unet, report = adapters.patch_model_patcher(model.forge_objects.unet, cfg,
+                                                lambda: model.forge_objects.unet, service)
     model.forge_objects.unet = unet
     return report
 
@@ -201,11 +201,12 @@ def measurable(model: Any) -> tuple[Any, Any]:
     if reason is not None:
         raise UnsupportedModelError(f"ToMe: {reason}")
     if not forge(model):
-        return read(model), patch.block_runner(read(model))
+        layout = read(model)
+        return layout, adapters.runner(layout, adapters.MODULES)
     unet_patcher = model.forge_objects.unet
     layout = read(getattr(unet_patcher, "model", None))
     load_for_sampling(unet_patcher)
-    return layout, patcher.run_block
+    return layout, adapters.runner(layout, adapters.MODEL_PATCHER)
 
 
 def load_for_sampling(unet_patcher: Any) -> None:

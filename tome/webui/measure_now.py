@@ -21,8 +21,8 @@ from . import script_args as A
 
 ROUTE = "/tome/measure"
 HELP = ("<p>Times the loaded model on this device at its usual first-pass and hires sizes, "
-        "merged and unmerged, per method (SD1/SD2: 512 to 1024 px; SDXL: 1024 and 1536 px; a "
-        "minute or more on a CPU). The generations then read these results.</p>")
+        "merged and unmerged, per method (SD1, SD2, SD3: 512 to 1024 px; SDXL: 1024 and 1536 px; "
+        "a minute or more on a CPU). The generations then read these results.</p>")
 # Image sizes (px, square) of a first pass and the usual hires-fix passes.
 SIZES = {"SDXL": (1024, 1536), "": (512, 768, 1024)}
 COLOURS = {"merge": "#e4572e", "downsample": "#1f77b4"}

@@ -44,8 +44,8 @@ def register() -> None:
         options["tome_measure_now"] = shared.OptionHTML(
             "<button class='lg secondary gradio-button' onclick='tomeMeasureNow(this)'>Measure "
             "now</button> times the loaded model on this device at its usual first-pass and "
-            "hires sizes, merged and unmerged, per method (SD1/SD2: 512 to 1024 px; SDXL: 1024 "
-            "and 1536 px; a minute or more on a CPU). The generations then read these "
+            "hires sizes, merged and unmerged, per method (SD1, SD2, SD3: 512 to 1024 px; SDXL: "
+            "1024 and 1536 px; a minute or more on a CPU). The generations then read these "
             "results.<div id='tome_measure_result'></div>")
     for key, info in options.items():
         info.section = SECTION

@@ -1,0 +1,69 @@
+"""The one choice of adapter: from what a model is (its ``Layout``) and what its host offers.
+
+Three adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
+processors on a diffusers or A1111 DiT (``processors.py``), and the ModelPatcher's attn1 patch
+of the Forge family and ComfyUI (``patcher.py``: a UNet form and ComfyUI's DiT call form).
+Which one patches a model, and how its blocks run merged when measured, is decided here and
+nowhere else, from the layout and the host's contract: plain modules (A1111, SD.Next,
+diffusers, the library) or a ModelPatcher. The library's ``apply_patch``, the WebUI's patching
+and Measure now and the ComfyUI nodes all ask this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import patch, patcher, processors
+from .config import ToMeConfig
+from .layout import Layout, read
+from .report import PatchReport
+
+MODULES, MODEL_PATCHER = "modules", "model patcher"
+
+
+def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
+    """How a block of this model runs merged for measuring under ``contract``: the hooks' or
+    the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet;
+    None where the contract cannot time the model (a DiT behind a ModelPatcher: the auto
+    policy's token thresholds decide there)."""
+    if contract == MODEL_PATCHER:
+        return patcher.run_block if layout.dit is None else None
+    return processors.runner(layout) if layout.dit is not None else patch.run_block
+
+
+def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
+    """Patch a model held as plain modules (anything ``layout.read`` reads) in place: hooks on
+    a UNet, processors on a DiT; any earlier patch of ours is removed first. Atomic."""
+    layout = read(model)
+    remove(layout.root)
+    if layout.dit is not None:
+        report = processors.apply(model, layout, config, measurer)
+        report.rope = layout.dit.rope
+        return report
+    return patch.apply(model, config, measurer, layout)
+
+
+def remove(model: Any) -> Any:
+    """Remove our patch, whichever adapter on plain modules made it; the model's outputs are
+    then bit-identical to never patched."""
+    root = patch.patched_root(model)
+    if not processors.remove(root):
+        patch.remove(root)
+    return model
+
+
+def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
+                        sampling_patcher: Callable[[], Any] | None = None,
+                        measurer: Any = None) -> tuple[Any, PatchReport]:
+    """A ModelPatcher clone carrying our attn1 patch (``patcher.py``), and the report: the
+    UNet form with its measuring runner, or ComfyUI's DiT call form. A patcher that already
+    carries ours is returned with its report (Forge may patch one pass twice)."""
+    done = getattr(unet_patcher, patcher.MARK, None)
+    if done is not None:
+        return unet_patcher, done.report
+    layout = read(getattr(unet_patcher, "model", None))
+    if layout.dit is not None:
+        return patcher.patch_dit(unet_patcher, layout, config)
+    return patcher.patch_unet(unet_patcher, layout, config, sampling_patcher, measurer,
+                              runner(layout, MODEL_PATCHER))
