@@ -107,6 +107,14 @@ class Layout:
     def auto_level(self, max_downsample: int | None) -> int:
         return auto_level(max_downsample, self.levels)
 
+    def unmergeable(self, config: Any) -> str | None:
+        """Why ``config`` merges nothing on this model, or None: a method with no DiT form on
+        a DiT, an explicit ``max_downsample`` above every UNet level."""
+        if self.dit is not None:
+            from .dit import method_for, no_form
+            return None if method_for(config) is not None else no_form(config, self.family)
+        return self.nothing_to_merge(config.max_downsample)
+
     def nothing_to_merge(self, max_downsample: int | None) -> str | None:
         """Why an explicit ``max_downsample`` merges no block of this model, or None."""
         levels = self.levels

@@ -64,6 +64,7 @@ class Attn1Patch:
         self.plan: Any = None  # the plan of the block between attn1 and its output
         self.first: Any = None
         self.call: Call | None = None
+        self.calls = 0  # attn1 calls received (a host whose blocks never call us: 0)
 
     def _begin(self, block: Any, n: torch.Tensor, extra: dict) -> None:
         if self.first is None:
@@ -83,6 +84,9 @@ class Attn1Patch:
             self.skipped.append((block, "attn1 replaced by another patch (e.g. Self-Attention "
                                         "Guidance)"))
         return True
+
+    SILENT = ("ToMe: this model's blocks never called the attn1 patch (another node replaced "
+              "them), so nothing is merged")
 
     def __deepcopy__(self, memo: dict) -> Attn1Patch:
         """Shared, never copied: ComfyUI deep-copies ``model_options`` (and with it this
@@ -106,6 +110,7 @@ class Attn1Patch:
         Flux/Qwen-Image blocks: ``(q, k, v, pe=, attn_mask=, extra_options=)`` returning a
         dict of what changed) gets an empty dict: DiTs are not merged."""
         self.plan = None
+        self.calls += 1
         if extra is None:
             return {}
         if extra.get("original_shape") is None or n.dim() != 3:
@@ -169,6 +174,10 @@ class DitAttn1Patch:
         self.first: Any = None
         self.call: Call | None = None
         self.calls = 0  # DiT-form calls received (a host whose blocks never call us: 0)
+
+    SILENT = ("ToMe: this ComfyUI's DiT blocks never called the attn1 patch (ComfyUI 0.8.0's "
+              "Flux does not; later versions do), so nothing is pooled; update ComfyUI to pool "
+              "image keys/values")
 
     def __deepcopy__(self, memo: dict) -> DitAttn1Patch:
         return self  # shared by clones, as ``Attn1Patch``

@@ -47,17 +47,12 @@ class PatchReport:
         family, kind ("UNet" or "DiT"), block count and RoPE come from the layout, and why
         nothing would be merged (settings that change nothing, a level the model lacks, a
         method without a DiT form) is set before anything is patched."""
-        from . import dit
         report = cls(family=layout.family, config=config, adapter=adapter,
-                     total_blocks=len(layout.blocks), kind="DiT" if layout.dit else "UNet",
-                     rope=bool(layout.dit and layout.dit.rope),
+                     total_blocks=len(layout.blocks), kind=layout.kind,
+                     rope=bool(getattr(layout.dit, "rope", False)),
                      max_downsample=more.pop("max_downsample", 0), **more)
-        if not config.active:
-            report.unmergeable = "ToMe: these settings change nothing"
-        elif layout.dit is not None and dit.method_for(config) is None:
-            report.unmergeable = dit.no_form(config, layout.family)
-        elif layout.dit is None:
-            report.unmergeable = layout.nothing_to_merge(config.max_downsample)
+        report.unmergeable = ("ToMe: these settings change nothing" if not config.active
+                              else layout.unmergeable(config))
         return report
 
     @property

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dit, methods, policy
+from . import methods, policy
 from .config import ToMeConfig
 from .layout import read
 from .measure import Measurement
@@ -114,8 +114,8 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
             if runner is None:
                 out.missed.append((name, px, not_timed))
                 continue
-            if _no_form(model, cfg):  # nothing to time: said in the table, not measured
-                out.missed.append((name, px, _no_form(model, cfg)))
+            if _not_mergeable(model, cfg):  # nothing to time: said in the table, not measured
+                out.missed.append((name, px, _not_mergeable(model, cfg)))
                 continue
             m = service.get(model, (px // 8, px // 8), BATCH, cfg, device=device, runner=runner)
             if m is None:
@@ -127,17 +127,14 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
     return out
 
 
-def _no_form(model: Any, cfg: ToMeConfig) -> str | None:
-    """The line for a method with no form for this model (merge on a DiT), or None."""
-    layout = read(model)
-    if layout.dit is not None and dit.method_for(cfg) is None:
-        return dit.no_form(cfg, layout.family)
-    return None
+def _not_mergeable(model: Any, cfg: ToMeConfig) -> str | None:
+    """Why `cfg` merges nothing on this model (merge has no DiT form), or None."""
+    return read(model).unmergeable(cfg)
 
 
 def _why_empty(model: Any, cfg: ToMeConfig) -> str:
     """Why a measurement has no row."""
-    return _no_form(model, cfg) or f"no block of this model is merged by {cfg.method}"
+    return _not_mergeable(model, cfg) or f"no block of this model is merged by {cfg.method}"
 
 
 def cache_file(folder: str | os.PathLike | None) -> Path:

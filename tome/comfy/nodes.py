@@ -36,7 +36,7 @@ class SamplingGuard:
     def __init__(self, say: Callable[[str], Any]):
         self.say, self.told = say, False
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
-        self.dit: patcher.DitAttn1Patch | None = None  # a DiT's patch: told its latent size
+        self.patch: Any = None  # ours on this clone: told the latent size, counts its calls
         self.silent_told = False
         self.window: Any = None  # the patch's ``plan.Window`` when start/end cut the pass
         self._first_sigma: float | None = None  # the sigma of the pass's first step, told
@@ -52,7 +52,7 @@ class SamplingGuard:
             self._tell_window(options)
             options = self._without_tomesd(options)
             x = args[0] if args else kwargs.get("x")
-            if self.dit is not None and hasattr(x, "shape"):
+            if hasattr(x, "shape"):  # a DiT's token grid; the UNet form ignores it
                 options = {**options, patcher.LATENT_KEY: tuple(x.shape[-2:])}
             self.view.model_options = {"transformer_options": options}
             if positional:
@@ -60,11 +60,9 @@ class SamplingGuard:
             else:
                 kwargs["transformer_options"] = options
         out = executor(*args, **kwargs)
-        if self.dit is not None and not self.dit.calls and not self.silent_told:
+        if self.patch is not None and not self.patch.calls and not self.silent_told:
             self.silent_told = True
-            self.say("ToMe: this ComfyUI's DiT blocks never called the attn1 patch (ComfyUI "
-                     "0.8.0's Flux does not; later versions do), so nothing is pooled; update "
-                     "ComfyUI to pool image keys/values")
+            self.say(self.patch.SILENT)
         return out
 
     def _tell_window(self, options: dict) -> None:
@@ -130,9 +128,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if report.nothing:
         say(f"{report.nothing}; {PASSES}")
         return model
-    carried_patch = getattr(clone, patcher.MARK, None)
-    if isinstance(carried_patch, patcher.DitAttn1Patch):
-        guard.dit = carried_patch
+    guard.patch = getattr(clone, patcher.MARK, None)
     if not report.planner.window.full:
         guard.window = report.planner.window
     if hasattr(clone, "add_wrapper_with_key"):

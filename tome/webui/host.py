@@ -244,9 +244,9 @@ def loaded_model() -> tuple[Any, str | None]:
 
 
 def model_kind(model: Any) -> str:
-    """``SDXL``, ``SD2``, ``SD1`` from the WebUI's model flags, or ''."""
-    return next((k for k, flag in (("SDXL", "is_sdxl"), ("SD2", "is_sd2"), ("SD1", "is_sd1"))
-                 if getattr(model, flag, False)), "")
+    """``SDXL``, ``SD3``, ``SD2``, ``SD1`` from the WebUI's model flags, or ''."""
+    return next((k for k, flag in (("SDXL", "is_sdxl"), ("SD3", "is_sd3"), ("SD2", "is_sd2"),
+                                   ("SD1", "is_sd1")) if getattr(model, flag, False)), "")
 
 
 # ----------------------------------------------------------------------------- workarounds

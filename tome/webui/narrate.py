@@ -48,7 +48,7 @@ def head(kind: str, report: PatchReport) -> str:
     if report.adapter == ATTN1_PATCH:
         return "Forge UNet (attn1 patch),"
     if report.kind == "DiT":
-        kind = f"{kind or 'SD3'} DiT"
+        kind = f"{kind} DiT" if kind else "DiT"
     return f"{kind + ' ' if kind else ''}({report.family})"
 
 
