@@ -318,3 +318,27 @@ def test_a_dit_patched_with_a_preset_runs_the_dit_point():
             assert report.kind == "DiT" and report.levels
         finally:
             tome.remove_patch(model)
+
+
+@pytest.mark.parametrize("masks,scaled", [(True, True), (False, True), (False, False)])
+def test_diffusers_dispatch_paths_all_equal_repeated_keys(monkeypatch, masks, scaled):
+    """Each path of diffusers' dispatcher (mask; extra channel with the scale passed; extra
+    channel under the kernel's own scale), chosen per backend, gives the reference."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    name = _AttentionBackendRegistry.get_active_backend()[0]
+    monkeypatch.setitem(attend._BACKENDS, name, (masks, scaled))
+    calls = []
+    channel = attend.count_channel
+    monkeypatch.setattr(attend, "count_channel", lambda *a: calls.append(1) or channel(*a))
+    g = torch.Generator().manual_seed(4)
+    n = T + H * W
+    q, k, v = (torch.randn(2, n, 3, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    plan = dit.DitPlan(H, W, 2, "pooled", proportional=True)
+
+    class Original:
+        _attention_backend = _parallel_config = None
+    out = attend.dispatch(Original())(q, plan.pool(k, T, 1), plan.pool(v, T, 1),
+                                      plan.bias(T, n, "cpu"))
+    ref = _reference(*(t.transpose(1, 2) for t in (q, k, v)), T, 2, 2).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    assert bool(calls) == (not masks)

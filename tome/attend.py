@@ -138,11 +138,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor |
 
 
 _BACKENDS: dict[Any, tuple[bool, bool]] = {}  # backend -> (takes a mask, takes a scale)
+# diffusers' backends that pass an additive float mask on to SDPA; the others raise on a mask
+# (native flash, XLA), change it (NPU) or silently drop it (flash-attn, sage, xformers...).
+MASK_BACKENDS = ("native", "_native_efficient", "_native_math", "_native_cudnn")
 
 
 def _backend(name: Any) -> tuple[bool, bool]:
-    """Whether diffusers' attention backend ``name`` takes an additive mask (native SDPA and
-    its variants; the dispatcher silently drops arguments a backend lacks) and a scale."""
+    """Whether diffusers' attention backend ``name`` takes the bias as a mask, and a scale."""
     if name not in _BACKENDS:
         from diffusers.models.attention_dispatch import (
             AttentionBackendName,
@@ -150,7 +152,7 @@ def _backend(name: Any) -> tuple[bool, bool]:
         )
         b = AttentionBackendName(name)
         args = _AttentionBackendRegistry._supported_arg_names.get(b, ())
-        _BACKENDS[name] = ("attn_mask" in args and "native" in b.value, "scale" in args)
+        _BACKENDS[name] = (b.value in MASK_BACKENDS, "scale" in args)
     return _BACKENDS[name]
 
 

@@ -37,9 +37,9 @@ APPROACHES: dict[str, list[tuple[str, dict[str, Any]]]] = {
                                 ("inner:2", {"schedule": "inner:2"}),
                                 ("all:2@0.3-1", {"schedule": "all:2@0.3-1"})],
     "reuse x4 (proportional)": [(f"x4 reuse {n}", {"downsample_factor": 4, "reuse": n})
-                                for n in (3, 5, 8)],
+                                for n in (3, 5, 10)],
     "reuse x8 (proportional)": [(f"x8 reuse {n}", {"downsample_factor": 8, "reuse": n})
-                                for n in (3, 5, 8, 12)],
+                                for n in (3, 5, 10, 20)],
 }
 PRESETS = ("quality", "fast")
 #: The grid's columns (labels as in the table).

@@ -1,6 +1,7 @@
 """The DiT rows of the showcase: the tiny trained DiT (``tome/lab/tinydit``) unpooled against
-image keys/values pooled x2 and x4, each with both RoPE options, and x2 only in one half of
-the steps or only in the double-stream blocks, on the same seeds.
+image keys/values pooled: plain (no proportional attention), x2 and x4 with it, x2 with the
+other RoPE option and in the second half of sampling only, and the presets' DiT points, on
+the same seeds.
 
     python -m tome.lab.dit_quality      # also run by `make demo` (python -m tome.lab.showcase)
 
@@ -28,18 +29,27 @@ import tome
 
 from . import quality, report
 
-#: (label, apply_patch settings or None for the unpooled model)
+#: (label, apply_patch settings or None for the unpooled model); every setting is
+#: ``method="downsample"``; ``config`` passes a whole ``ToMeConfig`` (the presets).
 SETTINGS: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("unpooled", None),
-    ("x2 rope pooled", {"downsample_factor": 2, "rope": "pooled"}),
+    ("x2 plain pooling", {"downsample_factor": 2, "proportional": False}),
+    # Proportional attention (the default): pooled keys count for their cells.
+    ("x2", {"downsample_factor": 2}),
     ("x2 rope before", {"downsample_factor": 2, "rope": "before"}),
-    ("x4 rope pooled", {"downsample_factor": 4, "rope": "pooled"}),
-    ("x4 rope before", {"downsample_factor": 4, "rope": "before"}),
-    # Where the cost falls: one half of the steps (0 = the noisiest), the double-stream blocks.
-    ("x2 steps 0-0.5", {"downsample_factor": 2, "end": 0.5}),
+    ("x4", {"downsample_factor": 4}),
     ("x2 steps 0.5-1", {"downsample_factor": 2, "start": 0.5}),
-    ("x2 double blocks", {"downsample_factor": 2, "blocks": "double"}),
+    # The presets' DiT points: x8 everywhere with residual reuse (docs/quality.md#dit).
+    ("preset quality", {"config": tome.preset("quality", policy="fixed")}),
+    ("preset fast", {"config": tome.preset("fast", policy="fixed")}),
 )
+
+
+def _reuses(spec: dict[str, Any] | None) -> bool:
+    """Residual reuse needs a sampling trajectory: a loss at one flow time would be the
+    refresh call's, i.e. the unpooled model's (``dit_frontier`` measures it along the
+    schedule)."""
+    return bool(spec) and bool(spec.get("reuse") or getattr(spec.get("config"), "reuse", 0))
 
 
 #: Flow times of the held-out loss (1 = pure noise, 0 = clean).
@@ -92,6 +102,8 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
             outs[name].append(img[0])
     losses: dict[str, dict[float, float]] = {}
     for name, spec in SETTINGS if heldout is not None else ():
+        if _reuses(spec):
+            continue
         if progress:
             progress(f"tiny DiT: held-out loss, {name}")
         with _pooled(model, spec):
@@ -111,7 +123,7 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
                      "psnr": statistics.mean(p) if spec is not None else float("inf"),
                      "ssim": statistics.mean(s) if spec is not None else 1.0,
                      "per_image": {"time": times[name], "psnr": p, "ssim": s}})
-        if losses:
+        if name in losses:
             rows[-1]["loss"] = losses[name]
             rows[-1]["loss_increase"] = {t: losses[name][t] / losses[base][t] - 1
                                          for t in LOSS_TIMES}
@@ -128,6 +140,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ssim = "" if r["unmerged"] else f"{r['ssim']:.3f}"
         lines.append(f"| {r['setting']} | {r['time']:.2f} s | {r['speedup']:.2f}x | {psnr} | "
                      f"{ssim} |" + "".join(f" {r['loss_increase'][t]:+.1%} |"
+                                           if "loss_increase" in r else " n/a (reuse) |"
                                            for t in LOSS_TIMES if loss))
     return "\n".join(lines)
 
