@@ -185,6 +185,13 @@ def test_a1111_mmdit_bias_through_the_extra_channel_against_repeated_keys(monkey
         tome.apply_patch(model, method="downsample", proportional=False)
         with torch.no_grad():
             assert not torch.allclose(model(x, t, context=ctx), ref, atol=1e-4)
+        monkeypatch.undo()  # the stub's own attention again; factor 1 changes no bit
+        tome.remove_patch(model)
+        with torch.no_grad():
+            plain = model(x, t, context=ctx)
+        tome.apply_patch(model, method="downsample", downsample_factor=1)
+        with torch.no_grad():
+            assert torch.equal(model(x, t, context=ctx), plain)
     finally:
         tome.remove_patch(model)
     for b in model.joint_blocks:
@@ -342,3 +349,45 @@ def test_diffusers_dispatch_paths_all_equal_repeated_keys(monkeypatch, masks, sc
     ref = _reference(*(t.transpose(1, 2) for t in (q, k, v)), T, 2, 2).transpose(1, 2)
     torch.testing.assert_close(out, ref)
     assert bool(calls) == (not masks)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def test_schedule_parses_describes_and_refuses():
+    s = dit.Schedule.parse("all:2@0-0.5, inner:4@0.5-1, last:1")
+    assert s.describe() == ("x2 in all blocks, steps 0-0.5; x4 in inner blocks, steps 0.5-1; "
+                            "x1 in the last block")
+    assert [s.factor(i, "double", 6, 0.25) for i in range(6)] == [2, 2, 2, 2, 2, 1]
+    assert [s.factor(i, "double", 6, 0.75) for i in range(6)] == [0, 4, 4, 4, 4, 1]
+    assert [s.factor(i, "double", 6, None) for i in range(6)] == [2, 4, 4, 4, 4, 2]
+    assert s.window() == (0.0, 1.0) and s.varies()
+    assert dit.Schedule.parse("", 4, 0.2, 0.9, "double").items == \
+        ((("double", 0, 0), 4, 0.2, 0.9),)
+    for bad in ("all:9", "all:2@0.6-0.2", "sometimes:2", "all:x", "all:2@0.5"):
+        with pytest.raises(ValueError):
+            ToMeConfig(schedule=bad)
+
+
+def test_each_block_pools_by_its_scheduled_factor_at_each_step():
+    from tome.lab import tinydit
+    model = tinydit.build_model()
+    tome.apply_patch(model, method="downsample", schedule="all:2@0-0.5,inner:4@0.5-1,last:1")
+    seen = []
+    try:
+        state = vars(model.transformer)[processors.STATE_ATTR]
+        blocks = list(model.transformer.transformer_blocks) + \
+            list(model.transformer.single_transformer_blocks)
+        for i, b in enumerate(blocks):
+            kind = "double" if i < 3 else "single"
+            b.register_forward_pre_hook(
+                lambda *_, i=i, kind=kind: seen.append(
+                    getattr(state.plan_for(i, kind), "factor", 0)))
+        x = torch.randn(1, 3, 16, 16)
+        with torch.no_grad():
+            for t in (0.75, 0.25):  # progress 0.25, then 0.75
+                model(x, torch.full((1,), t), torch.tensor([0]))
+    finally:
+        tome.remove_patch(model)
+        for b in blocks:
+            b._forward_pre_hooks.clear()
+    assert seen == [2, 2, 2, 2, 2, 1] + [0, 4, 4, 4, 4, 1]

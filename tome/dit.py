@@ -136,10 +136,15 @@ class DitPlan:
     def with_factor(self, factor: int) -> DitPlan:
         return DitPlan(self.h, self.w, factor, self.rope, self.proportional)
 
+    @property
+    def biased(self) -> bool:
+        """Whether this plan's pooled keys get the proportional bias (factor 1 pools nothing)."""
+        return self.proportional and self.factor > 1
+
     def bias(self, start: int, total: int, device: Any) -> torch.Tensor | None:
         """``key_bias`` for a sequence of ``total`` keys (None without ``proportional``), built
         once per plan (one call) and shared by its blocks; float32, cast by the caller."""
-        if not self.proportional or self.factor == 1:
+        if not self.biased:
             return None
         if merge.compiling():
             return key_bias(start, total, self.h, self.w, self.factor, device)

@@ -1,25 +1,20 @@
 """Patching DiTs (diffusers Flux and SD3, A1111's SD3): the image tokens' keys and values
 pooled inside each chosen block's attention.
 
-A DiT's attention projects, normalises, concatenates text and image, applies rotary
-positions and calls the kernel, all inside one processor call, so pooling has to happen
-there. Each chosen attention module's processor is wrapped: a call with no pooling plan (the
-step is outside the window, the auto policy says no, another patch's state) goes to the
-original processor untouched, so those calls and, after removal, every call are bit-identical
-to the unpatched model. A call with a plan runs ``_flux`` or ``_joint``: the same projections,
-norms and output layers as diffusers' ``FluxAttnProcessor`` / ``JointAttnProcessor2_0`` (the
-only processors wrapped; any other, e.g. IP-Adapter's, leaves its block unpooled and
-reported), with the image keys and values pooled (``dit.py``) before the kernel, which is
-diffusers' own dispatcher with the original processor's backend for Flux.
+Pooling happens inside the attention processor call (projections, norms, text+image, RoPE,
+kernel). Each chosen module's processor is wrapped: a call with no plan for its block (the
+schedule's window, the auto policy, another patch's state) goes to the original untouched,
+so those calls and, after removal, every call are bit-identical to the unpatched model. A
+call with a plan runs ``_flux`` or ``_joint``: diffusers' ``FluxAttnProcessor`` /
+``JointAttnProcessor2_0`` maths (the only processors wrapped; any other, e.g. IP-Adapter's,
+leaves its block unpooled and reported) with the image keys/values pooled, the
+proportional-attention bias and residual reuse (``attend.py``) around the original's kernel.
 
 Per transformer call a pre-hook reads the latent grid (SD3: the latent's shape; Flux: the
-``img_ids`` rows and columns, read once per ids tensor, i.e. once per generation) and the
-text length, and the shared ``plan.Planner`` says whether this call pools (window, auto
-policy) and with which plan. Removal puts the original processor objects back.
-
-A1111 1.10 runs SD3 on Stability's reference MMDiT, whose blocks have no processors: there the
-image block's ``attn.pre_attention`` is shadowed on the instance (``PreAttention``), which
-pools the image keys/values before the block joins them to the text's.
+``img_ids``, once per ids tensor) and the text length; the shared ``plan.Planner`` says
+whether this call pools, the schedule which factor each block gets. A1111 1.10 runs SD3 on
+Stability's reference MMDiT (no processors): its blocks' ``attn.pre_attention`` and
+``post_attention`` are shadowed on the instance (``PreAttention``, ``PostAttention``).
 """
 
 from __future__ import annotations
@@ -233,12 +228,11 @@ def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tens
 
 
 class PreAttention:
-    """A1111's MMDiT (SD3): a block's ``attn.pre_attention`` shadowed on the instance. It
-    returns the tokens' q, k, v ([B, S, heads * D]) before the block joins text and image;
-    the image block's (``image``) pools k and v there (no RoPE in SD3). The joint kernel
-    (A1111's ``attention(q, k, v, heads)``) takes no mask, so the proportional bias rides on
-    ``_attend.count_channel``'s extra channel: both blocks' q, k, v get it (text keys 0) and
-    ``PostAttention`` drops it. Removal deletes the instance attributes."""
+    """A1111's MMDiT (SD3): a block's ``attn.pre_attention`` (q, k, v as [B, S, heads * D],
+    before the block joins text and image), shadowed on the instance; the image block's
+    (``image``) pools k and v (no RoPE in SD3). The joint kernel takes no mask: the bias rides
+    on ``attend.count_channel``'s extra channel in both blocks' q, k, v (text keys 0), which
+    ``PostAttention`` drops. Removal deletes the instance attributes."""
 
     def __init__(self, original: Any, source: Any, index: int, kind: str, image: bool,
                  heads: int, width: dict):
@@ -254,7 +248,7 @@ class PreAttention:
         pooled = self.image and n == plan.h * plan.w
         if pooled:
             k, v = plan.pool(k, 0, 1), plan.pool(v, 0, 1)
-        if not plan.proportional:
+        if not plan.biased:
             return q, k, v
         bias = plan.bias(0, n, k.device) if pooled else k.new_zeros(k.shape[1], dtype=torch.float)
         d = self.width["d"] = q.shape[-1] // self.heads
@@ -273,7 +267,7 @@ class PostAttention:
 
     def __call__(self, x: torch.Tensor) -> Any:
         plan = self.source.plan_for(self.index, self.kind)
-        if plan is not None and plan.proportional:
+        if plan is not None and plan.biased:
             x = x.unflatten(-1, (self.heads, -1))[..., :self.width["d"]].flatten(2)
         return self.original(x)
 
