@@ -391,3 +391,22 @@ def test_each_block_pools_by_its_scheduled_factor_at_each_step():
         for b in blocks:
             b._forward_pre_hooks.clear()
     assert seen == [2, 2, 2, 2, 2, 1] + [0, 4, 4, 4, 4, 1]
+
+
+# ----------------------------------------------------------------------------- the lab
+
+def test_dit_frontier_writes_its_table_plot_and_grid(tmp_path, monkeypatch):
+    from tome.lab import dit_frontier
+    monkeypatch.setattr(dit_frontier, "APPROACHES", {
+        "plain pooling": [("x2", {"downsample_factor": 2, "proportional": False})],
+        "proportional": [("x2", {"downsample_factor": 2})]})
+    monkeypatch.setattr(dit_frontier, "PRESETS", ("quality",))
+    g = torch.Generator().manual_seed(0)
+    heldout = (torch.rand(2, 3, 64, 64, generator=g), torch.tensor([0, 1]))
+    rows = dit_frontier.run(tmp_path, steps=2, seeds=(0,), heldout=heldout)
+    assert [r["setting"] for r in rows] == ["unpooled", "plain pooling: x2",
+                                            "proportional: x2", "preset quality"]
+    assert rows[0]["loss_increase"] == 0 and rows[1]["loss_increase"] != 0
+    assert rows[1]["psnr"] < rows[2]["psnr"]  # proportional attention keeps the image closer
+    for name in ("frontier.md", "frontier.json", "frontier.png", "grid.png"):
+        assert (tmp_path / name).stat().st_size > 0
