@@ -410,3 +410,32 @@ def test_dit_frontier_writes_its_table_plot_and_grid(tmp_path, monkeypatch):
     assert rows[1]["psnr"] < rows[2]["psnr"]  # proportional attention keeps the image closer
     for name in ("frontier.md", "frontier.json", "frontier.png", "grid.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("path", ["mask, first call compiled", "channel"])
+def test_biased_pooled_attention_compiles_in_one_graph(monkeypatch, path):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    if path == "channel":
+        monkeypatch.setitem(attend._BACKENDS, _AttentionBackendRegistry.get_active_backend()[0],
+                            (False, True))
+    else:  # nothing looked up yet: the backend's answer is found while tracing
+        monkeypatch.setattr(attend, "_BACKENDS", {})
+    flux = _randomise(diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=1, num_single_layers=0, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=8,
+        axes_dims_rope=(4, 6, 6))).float()
+    attn = flux.transformer_blocks[0].attn
+    ids = torch.zeros(T + H * W, 3)
+    ids[T:, 1] = torch.arange(H).repeat_interleave(W)
+    ids[T:, 2] = torch.arange(W).repeat(H)
+    emb = flux.pos_embed(ids)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+        dit.DitPlan(H, W, 2, "pooled", proportional=True), T), True)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb), fullgraph=True,
+                       backend="eager")
+    hs, ehs = torch.randn(2, H * W, 32), torch.randn(2, T, 32)
+    with torch.no_grad():
+        out = fn(hs, ehs)
+        ref = wrapper(attn, hs, ehs, None, emb)
+    torch.testing.assert_close(out[0], ref[0])
