@@ -106,7 +106,8 @@ def test_its_own_token_merging_is_off_while_ours_runs(webui, monkeypatch, method
     both = generate(webui, on(ratio=0.5), override_settings=builtin)
     assert not torch.equal(image(alone), image(ours))
     assert torch.equal(image(both), image(ours))  # merged once, by us
-    assert f"{method}: 0.5" in alone.info and f", {method}: " not in both.info
+    assert f"{method}: 0.5" in alone.info
+    assert ", ToMe: " not in both.info and ", ToDo: " not in both.info  # only ours ran
     assert shared.opts.token_merging_method == "None"  # restored afterwards
     assert any("built-in token merging (token_merging_method=" in line for line in sdnext.LOG)
 
@@ -129,7 +130,8 @@ def test_a_foreign_merging_processor_is_left_alone(webui):
 
 def test_console_lines_go_to_its_log(webui, capsys):
     generate(webui, on(ratio=0.5))
-    assert any(line.startswith("ToMe: (diffusers) first pass ratio 0.5") for line in sdnext.LOG)
+    assert any(line.startswith("ToMe: SD1 (diffusers) first pass ratio 0.5")
+               for line in sdnext.LOG)
     assert "ToMe:" not in capsys.readouterr().out
 
 

@@ -17,8 +17,8 @@ nothing is copied). ``enter()`` turns the WebUI stand-in into it, ``leave()`` ba
   pipeline call, on a new pipeline object around the same UNet: ``set_diffuser_pipe``), refiner
   (``p.is_refiner_pass``, ``shared.sd_refiner``); ``postprocess_batch``; ``postprocess`` only
   when not interrupted; finally its token merging removed, the ``after_process`` callbacks,
-  the options restored. The infotext gets SD.Next's own ``ToMe``/``ToDo`` key when its
-  option says so, merged or not.
+  the options restored. The infotext gets SD.Next's own ``ToMe: <tome_ratio>`` when its method
+  is ToMe, else ``ToDo: <todo_ratio>`` whenever that ratio is not 0, merged or not.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Pipeline:
         self.unet = unet
         self.sd_checkpoint_info = object()
         self.context_dim = 32
+        self.is_sd1 = True
 
     def switch(self) -> Pipeline:
         """``set_diffuser_pipe``: a new pipeline object around the same modules."""
@@ -223,9 +224,11 @@ def process_images(p):
         if p.scripts is not None:
             p.scripts.postprocess_batch(p, samples, batch_number=0)
         info = processing.create_infotext(p)
-        if o.token_merging_method in ("ToMe", "ToDo"):  # SD.Next's own key, merged or not
-            ratio = o.tome_ratio if o.token_merging_method == "ToMe" else o.todo_ratio
-            info += f", {o.token_merging_method}: {ratio}"
+        # SD.Next's own key: ToMe's ratio when its method is ToMe, else ToDo's, merged or not
+        key, ratio = ("ToMe", o.tome_ratio) if o.token_merging_method == "ToMe" \
+            else ("ToDo", o.todo_ratio)
+        if ratio:
+            info += f", {key}: {ratio}"
         res = processing.Processed(p, [samples[0]], [info])
         if p.scripts is not None and not shared.state.interrupted:
             p.scripts.postprocess(p, res)

@@ -321,14 +321,15 @@ def _sdnext_builtin_off(p: Any, overrides: dict, o: Any) -> dict[str, Any]:
     then (``override_settings`` applied, and restored afterwards unless the request says
     otherwise): the method is overridden to "None" for the generation."""
     method = str(overrides.get(SDNEXT_METHOD, getattr(o, SDNEXT_METHOD, "None")) or "None")
+    ratios = {k: v for k in SDNEXT_RATIOS.values() if (v := overrides.get(k, getattr(o, k, 0)))}
+    if not ratios:
+        return {}
+    # Its infotext writes "ToDo: <todo_ratio>" whenever the method is not ToMe, merged or not:
+    # the ratios go to 0 too, so the infotext names only the merging that ran (ours).
+    p.override_settings = {**overrides, SDNEXT_METHOD: "None", **dict.fromkeys(ratios, 0.0)}
     ratio_key = SDNEXT_RATIOS.get(method)
-    if ratio_key is None:
-        return {}
-    ratio = overrides.get(ratio_key, getattr(o, ratio_key, 0))
-    if not ratio:
-        return {}
-    p.override_settings = {**overrides, SDNEXT_METHOD: "None"}
-    return {SDNEXT_METHOD: method, ratio_key: ratio}
+    return {SDNEXT_METHOD: method, ratio_key: ratios[ratio_key]} \
+        if ratio_key in ratios else {}
 
 
 def strip_infotext(p: Any) -> None:

@@ -205,7 +205,8 @@ def _routed(p: Any, unet: Any, args: tuple, kwargs: dict) -> None:
     if cfg is None:
         return
     x = args[0] if args else kwargs.get("sample")
-    _patch(p, unet, gen, cfg.replace(seed=host.seed_of(p)), name, x)
+    _patch(p, unet, gen, cfg.replace(seed=host.seed_of(p)), name, x,
+           host.model_kind(host.current_model(p)))
     patch.begin_call(unet, args, kwargs)  # torch holds this call's old hooks: start it on ours
 
 
@@ -252,7 +253,8 @@ def _unpatch(model: Any) -> None:
         pass
 
 
-def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: Any) -> None:
+def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: Any,
+           kind: str | None = None) -> None:
     """Patch the current model for this pass (``host.patch_model``: the adapter this host
     speaks), then say what was done: one summary line, or why nothing is merged."""
     reason = host.unsupported(model)
@@ -278,7 +280,8 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
         gen.windows[name] = report
     _skips(p, gen)
     seeded = methods.get(cfg.method).seeded(cfg)
-    gen.voice.summary(narrate.head(host.model_kind(model), report), gen.passes,
+    kind = host.model_kind(model) if kind is None else kind  # SD.Next: the pipeline's flags
+    gen.voice.summary(narrate.head(kind, report), gen.passes,
                       report.coverage(), report.skipped, cfg.seed if seeded else None)
     for note in report.notes():
         gen.voice.say(note)
