@@ -439,3 +439,15 @@ def test_biased_pooled_attention_compiles_in_one_graph(monkeypatch, path):
         out = fn(hs, ehs)
         ref = wrapper(attn, hs, ehs, None, emb)
     torch.testing.assert_close(out[0], ref[0])
+
+
+def test_reuse_tells_steps_calls_and_generations_apart():
+    r = attend.Reuse(3)
+    seen = []
+    for p in (0.0, 0.0, 0.1, 0.1, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0):
+        r.begin(p)
+        seen.append((r.step, r.sub))
+    # cond/uncond calls share a step; progress going back, or a 5th call at one noise level
+    # (a 1-step generation repeated), starts a new generation: residuals stay bounded
+    assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0), (0, 1), (0, 2), (0, 3),
+                    (0, 0)]

@@ -66,7 +66,8 @@ class Reuse:
     N``; measured 1.5 dB closer than the plain residual at the same speed,
     docs/quality.md#dit). Steps are told apart by the call's progress (a host calling cond and
     uncond apart gets its own residuals per call of a step); progress going back starts a new
-    generation. Memory: two attention outputs per pooled block and call of a step. Host-side
+    generation. Memory: two attention outputs per pooled block and call of a step (up to 4
+    calls), kept until the next generation or the patch's removal. Host-side
     state per step: not applied inside a ``torch.compile`` graph (the block pools there)."""
 
     def __init__(self, every: int, extrapolate: bool = True):
@@ -76,10 +77,10 @@ class Reuse:
     def begin(self, p: float) -> None:
         if not self.every:
             return
-        if p == self.last:
+        if p == self.last and self.sub < 3:
             self.sub += 1
-        else:
-            if self.last is None or p < self.last:
+        else:  # a new step; or a 5th call at one noise level: a new generation (bounded memory)
+            if self.last is None or p <= self.last:
                 self.step, self.kept = -1, {}
             self.step, self.sub, self.last = self.step + 1, 0, p
 
