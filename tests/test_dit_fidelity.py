@@ -451,3 +451,19 @@ def test_reuse_tells_steps_calls_and_generations_apart():
     # (a 1-step generation repeated), starts a new generation: residuals stay bounded
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (0, 0), (0, 1), (0, 2), (0, 3),
                     (0, 0)]
+
+
+def test_a1111_sd3_gets_the_presets_point_without_reuse():
+    import mmdit_stub
+
+    from tome.config import DIT_NO_REUSE, without_reuse
+    model = mmdit_stub.MMDiT().eval()
+    for name in ("quality", "fast"):
+        tome.apply_patch(model, config=preset(name, policy="fixed"))
+        try:
+            cfg = tome.patch_report(model).config
+            assert cfg.reuse == 0 and cfg.schedule == DIT_NO_REUSE[name]["schedule"]
+        finally:
+            tome.remove_patch(model)
+    own = ToMeConfig(method="downsample", schedule="inner:4", reuse=3)
+    assert without_reuse(own) == own.replace(reuse=0)

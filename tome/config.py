@@ -315,6 +315,11 @@ DIT_PRESETS: dict[str, dict[str, Any]] = {
     "fast": {"schedule": "all:8", "reuse": 10},
 }
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
+#: The DiT points without residual reuse, for host paths that cannot see the attention's
+#: output (A1111's SD3; ComfyUI's DiT form): the best schedules measured without it (tiny
+#: DiT: 29.5 dB at 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit).
+DIT_NO_REUSE: dict[str, dict[str, Any]] = {"quality": {"schedule": "single:2@0.3-1"},
+                                           "fast": {"schedule": "all:2@0.3-1"}}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
 #: ``max_downsample``).
 DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse")
@@ -344,3 +349,15 @@ def resolved(config: ToMeConfig, kind: str) -> str:
         parts.append(f"residual reuse every {config.reuse} steps")
     parts.append("proportional attention" if config.proportional else "plain pooling")
     return "; ".join(parts) + f"; rope {config.rope}"
+
+
+def without_reuse(config: ToMeConfig) -> ToMeConfig:
+    """``config`` for a host path that cannot reuse residuals: a preset's DiT point becomes
+    that preset's point without reuse (``DIT_NO_REUSE``); any other config keeps its schedule
+    with ``reuse=0``."""
+    if not config.reuse:
+        return config
+    for name, point in DIT_PRESETS.items():
+        if point and all(getattr(config, k) == v for k, v in point.items()):
+            return config.replace(reuse=0, **DIT_NO_REUSE[name])
+    return config.replace(reuse=0)

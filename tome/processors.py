@@ -28,7 +28,7 @@ from torch import nn
 from . import attend as _attend
 from . import dit
 from . import plan as _plan
-from .config import ToMeConfig
+from .config import ToMeConfig, without_reuse
 from .layout import Block, Layout
 from .report import PROCESSORS, PatchReport
 
@@ -401,6 +401,8 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     was done; atomic (on any error the processors are back as they were). ``measurer``: the
     auto policy's measuring service, as for UNets."""
     root, d = layout.root, layout.dit
+    if config.reuse and any(hasattr(b.module, "x_block") for b in layout.blocks):
+        config = without_reuse(config)  # A1111's MMDiT: its kernel's output is out of reach
     method = dit.method_for(config)
     report = PatchReport(family=layout.family, config=config, max_downsample=d.patch,
                          total_blocks=len(layout.blocks), adapter=PROCESSORS, kind="DiT",
