@@ -307,7 +307,7 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
 # DiT points (docs/quality.md#dit, `python -m tome.lab.dit_frontier`): image keys/values
 # pooled x8 in every block with proportional attention, the full attention's residual
 # refreshed every 5 (quality) or 10 (fast) steps. On the tiny DiT (8 images, 20 steps, one
-# thread) 30.8 dB at 1.30x and 26.0 dB at 1.36x, where x2 throughout gives 22.3 dB at 1.43x
+# thread) 30.8 dB at 1.32x and 26.0 dB at 1.47x, where x2 throughout gives 22.3 dB at 1.42x
 # in the same run; no step window or block choice without reuse came close.
 DIT_PRESETS: dict[str, dict[str, Any]] = {
     "quality": {"schedule": "all:8", "reuse": 5},
@@ -336,7 +336,8 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
 def resolved(config: ToMeConfig, kind: str) -> str:
     """What ``config`` does on a model of ``kind`` ("DiT" or "UNet", as ``PatchReport.kind``):
     one line for the infotext and the ComfyUI node, e.g. ``downsample x2`` on a UNet and
-    ``x4 in all blocks; residual reuse every 3 steps; proportional attention`` on a DiT."""
+    ``x8 in all blocks; residual reuse every 5 steps; proportional attention; rope pooled``
+    on a DiT (pass the config the patch report holds: a host path may have resolved it)."""
     m = methods.get(config.method)
     if str(kind).lower() != "dit":
         window = f", steps {config.start:g}-{config.end:g}" \
