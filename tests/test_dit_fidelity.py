@@ -467,3 +467,24 @@ def test_a1111_sd3_gets_the_presets_point_without_reuse():
             tome.remove_patch(model)
     own = ToMeConfig(method="downsample", schedule="inner:4", reuse=3)
     assert without_reuse(own) == own.replace(reuse=0)
+
+
+def test_comfyui_dit_form_gets_the_schedule_factors_without_reuse(monkeypatch):
+    import pathlib
+    import sys
+    monkeypatch.setattr(sys, "path", [str(pathlib.Path(__file__).parent / "comfy_stub"),
+                                      *sys.path])
+    from comfy.flux import FluxModel
+
+    from tome import layout, patcher
+    lay = layout.read(FluxModel(calls_patches=True).eval())
+    n = len(lay.blocks)
+    fast = patcher.DitAttn1Patch(preset("fast", policy="fixed"), lay)
+    assert fast.factors == {i: 2 for i in range(n)}  # all:2@0.3-1, its window not seen here
+    assert {"proportional attention", "residual reuse"} <= set(fast.limits)
+    quality = patcher.DitAttn1Patch(preset("quality", policy="fixed"), lay)
+    assert [quality.factors[i] for i in range(n)] == [
+        2 if b.kind == "single" else 0 for b in lay.blocks]  # single:2@0.3-1
+    own = patcher.DitAttn1Patch(ToMeConfig(method="downsample", schedule="first:4,last:2"),
+                                lay)
+    assert own.factors == {i: 4 if i == 0 else 2 if i == n - 1 else 0 for i in range(n)}

@@ -162,8 +162,10 @@ class DitAttn1Patch:
         self.doubles = sum(b.kind == "double" for b in layout.blocks)
         # The schedule's factor per block (ignoring its per-item windows: this form sees
         # sigmas, and the planner's window is start/end). Proportional attention and residual
-        # reuse need the kernel's inputs and output: the form hands back q, k, v only.
-        schedule, n = dit.schedule_of(config), len(layout.blocks)
+        # reuse need the kernel's inputs and output: the form hands back q, k, v only, so a
+        # preset's DiT point is its point without reuse (``config.without_reuse``).
+        from .config import without_reuse
+        schedule, n = dit.schedule_of(without_reuse(config)), len(layout.blocks)
         self.factors = {i: schedule.factor(i, b.kind, n, None)
                         for i, b in enumerate(layout.blocks)}
         self.chosen = {i for i, f in self.factors.items() if f}
