@@ -453,20 +453,32 @@ def test_reuse_tells_steps_calls_and_generations_apart():
                     (0, 0)]
 
 
-def test_a1111_sd3_gets_the_presets_point_without_reuse():
+def test_a1111_sd3_reuses_residuals_through_its_shadows():
+    """reuse=1 refreshes at every step, i.e. runs the joint attention unpooled: the model's
+    own outputs, step after step; reuse=100 keeps the first step's residual: other outputs."""
     import mmdit_stub
-
-    from tome.config import DIT_NO_REUSE, without_reuse
-    model = mmdit_stub.MMDiT().eval()
-    for name in ("quality", "fast"):
-        tome.apply_patch(model, config=preset(name, policy="fixed"))
+    torch.manual_seed(0)
+    model = mmdit_stub.MMDiT(dim=32, heads=2, depth=2).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 2 * H, 2 * W, generator=g)
+    ctx = torch.randn(2, T, 12, generator=g)
+    steps = [torch.full((2,), t) for t in (900.0, 600.0, 300.0)]
+    with torch.no_grad():
+        ref = [model(x, t, context=ctx) for t in steps]
+    outs = {}
+    for every in (1, 100):
+        tome.apply_patch(model, method="downsample", downsample_factor=2, reuse=every)
         try:
-            cfg = tome.patch_report(model).config
-            assert cfg.reuse == 0 and cfg.schedule == DIT_NO_REUSE[name]["schedule"]
+            with torch.no_grad():
+                outs[every] = [model(x, t, context=ctx) for t in steps]
+            shared = [vars(b.x_block.attn)["post_attention"].shared for b in model.joint_blocks]
+            assert all(set(s) == {"d"} for s in shared)  # no q, k, v kept past a block
         finally:
             tome.remove_patch(model)
-    own = ToMeConfig(method="downsample", schedule="inner:4", reuse=3)
-    assert without_reuse(own) == own.replace(reuse=0)
+    for a, b in zip(outs[1], ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outs[100][0], ref[0], atol=1e-5, rtol=1e-4)  # first: refresh
+    assert not torch.allclose(outs[100][2], ref[2], atol=1e-4)
 
 
 def test_comfyui_dit_form_gets_the_schedule_factors_without_reuse(monkeypatch):

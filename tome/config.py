@@ -316,8 +316,8 @@ DIT_PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
 #: The DiT points without residual reuse, for host paths that cannot see the attention's
-#: output (A1111's SD3; ComfyUI's DiT form): the best schedules measured without it (tiny
-#: DiT: 29.5 dB at 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit).
+#: output (ComfyUI's DiT form): the best schedules measured without it (tiny DiT: 29.5 dB at
+#: 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit).
 DIT_NO_REUSE: dict[str, dict[str, Any]] = {"quality": {"schedule": "single:2@0.3-1"},
                                            "fast": {"schedule": "all:2@0.3-1"}}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and

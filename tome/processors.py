@@ -14,7 +14,8 @@ Per transformer call a pre-hook reads the latent grid (SD3: the latent's shape; 
 ``img_ids``, once per ids tensor) and the text length; the shared ``plan.Planner`` says
 whether this call pools, the schedule which factor each block gets. A1111 1.10 runs SD3 on
 Stability's reference MMDiT (no processors): its blocks' ``attn.pre_attention`` and
-``post_attention`` are shadowed on the instance (``PreAttention``, ``PostAttention``).
+``post_attention`` are shadowed on the instance (``attend.PreAttention``,
+``attend.PostAttention``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch import nn
 from . import attend as _attend
 from . import dit
 from . import plan as _plan
-from .config import ToMeConfig, without_reuse
+from .attend import PostAttention, PreAttention
+from .config import ToMeConfig
 from .layout import Block, Layout
 from .report import PROCESSORS, PatchReport
 
@@ -227,51 +229,6 @@ def _joint(attn: nn.Module, plan: dit.DitPlan, hs: torch.Tensor, ehs: torch.Tens
     return out if ehs is None else (out, ehs_out)
 
 
-class PreAttention:
-    """A1111's MMDiT (SD3): a block's ``attn.pre_attention`` (q, k, v as [B, S, heads * D],
-    before the block joins text and image), shadowed on the instance; the image block's
-    (``image``) pools k and v (no RoPE in SD3). The joint kernel takes no mask: the bias rides
-    on ``attend.count_channel``'s extra channel in both blocks' q, k, v (text keys 0), which
-    ``PostAttention`` drops. Removal deletes the instance attributes."""
-
-    def __init__(self, original: Any, source: Any, index: int, kind: str, image: bool,
-                 heads: int, width: dict):
-        self.original, self.source, self.index, self.kind = original, source, index, kind
-        self.image, self.heads, self.width = image, heads, width  # width: the block's head dim
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        q, k, v = self.original(x)
-        plan = self.source.plan_for(self.index, self.kind)
-        if plan is None:
-            return q, k, v
-        n = k.shape[1]
-        pooled = self.image and n == plan.h * plan.w
-        if pooled:
-            k, v = plan.pool(k, 0, 1), plan.pool(v, 0, 1)
-        if not plan.biased:
-            return q, k, v
-        bias = plan.bias(0, n, k.device) if pooled else k.new_zeros(k.shape[1], dtype=torch.float)
-        d = self.width["d"] = q.shape[-1] // self.heads
-        q, k, v = _attend.count_channel(*(t.unflatten(-1, (self.heads, d)) for t in (q, k, v)),
-                                    bias, 1, _attend.channel_width(d) ** -0.5)
-        return q.flatten(2), k.flatten(2), v.flatten(2)
-
-
-class PostAttention:
-    """The other half of ``PreAttention``: the kernel's output without the extra channels."""
-
-    def __init__(self, original: Any, source: Any, index: int, kind: str, heads: int,
-                 width: dict):
-        self.original, self.source, self.index, self.kind = original, source, index, kind
-        self.heads, self.width = heads, width
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        plan = self.source.plan_for(self.index, self.kind)
-        if plan is not None and plan.biased:
-            x = x.unflatten(-1, (self.heads, -1))[..., :self.width["d"]].flatten(2)
-        return self.original(x)
-
-
 # ----------------------------------------------------------------------------- blocks
 
 def attentions(block: nn.Module) -> list[nn.Module]:
@@ -321,13 +278,11 @@ def _shadow(module: nn.Module, name: str, cls: type, into: list, *args: Any) -> 
 def _wrap(block: nn.Module, source: Any, into: list, index: int = 0, kind: str = "double"
           ) -> None:
     if hasattr(block, "x_block"):  # A1111's MMDiT
-        width: dict = {}
+        shared: dict = {}  # one block call's head dim and (with reuse) q, k, v
         heads = block.x_block.attn.num_heads  # the joint kernel's (block_mixing's)
         for part, image in ((block.context_block, False), (block.x_block, True)):
-            _shadow(part.attn, "pre_attention", PreAttention, into, source, index, kind, image,
-                    heads, width)
-            _shadow(part.attn, "post_attention", PostAttention, into, source, index, kind,
-                    heads, width)
+            for name, cls in (("pre_attention", PreAttention), ("post_attention", PostAttention)):
+                _shadow(part.attn, name, cls, into, source, index, kind, image, heads, shared)
         return
     for a in attentions(block):
         current = original = a.processor
@@ -401,8 +356,6 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     was done; atomic (on any error the processors are back as they were). ``measurer``: the
     auto policy's measuring service, as for UNets."""
     root, d = layout.root, layout.dit
-    if config.reuse and any(hasattr(b.module, "x_block") for b in layout.blocks):
-        config = without_reuse(config)  # A1111's MMDiT: its kernel's output is out of reach
     method = dit.method_for(config)
     report = PatchReport(family=layout.family, config=config, max_downsample=d.patch,
                          total_blocks=len(layout.blocks), adapter=PROCESSORS, kind="DiT",
