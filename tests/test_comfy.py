@@ -29,7 +29,7 @@ from stubs import fake_clock  # noqa: E402
 
 from tome import patcher as mp  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
-from tome.config import FIELDS, ToMeConfig, choices  # noqa: E402
+from tome.config import FIELDS, ToMeConfig, choices, preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def test_inputs_come_from_the_config_metadata():
     assert spec["required"]["ratio"][1]["max"] <= 1 - 1 / 64
     assert inputs.config(defaults()) == ToMeConfig(policy="auto")
     assert inputs.config(defaults(preset="fast", ratio=0.1, seed=7)).replace(seed=0) == \
-        ToMeConfig(method="downsample", downsample_factor=4, max_downsample=2, policy="auto")
+        preset("fast")  # the library's preset, whatever the other inputs say
     assert inputs.config(defaults(preset="fast", seed=7)).seed == 7
     # no "control after generate" widget: re-queueing must not change the destinations
     assert spec["required"]["seed"][1]["control_after_generate"] is False
@@ -354,7 +354,9 @@ def test_the_node_pools_a_flux_model_through_the_dit_call_form(lines, monkeypatc
     ref = flux_run(base)
     (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
                                                        rope=rope))
-    assert ours is not base and "comfy flux DiT" in lines[-1], lines
+    assert ours is not base and "comfy flux DiT" in lines[-2], lines
+    assert lines[-1] == f"ToMe DiT: x2 in all blocks; plain pooling; rope {rope} (this ComfyUI " \
+                        "form cannot apply: proportional attention)"
     keys = []
     attention = comfy.flux.attention
     monkeypatch.setattr(comfy.flux, "attention", lambda q, k, v, pe: (
@@ -536,3 +538,15 @@ def test_without_model_sampling_the_window_uses_sds_schedule(lines):
     merged = [not torch.equal(unet_call(ours, x, t, ctx, s), unet_call(base, x, t, ctx, s))
               for s in (14.6146, 2.9183, 0.9324, 0.0292)]
     assert merged == [True, True, False, False]
+
+
+def test_flux_pools_from_its_schedule_window(lines):
+    """A schedule's window is the form's step window (the fast preset's DiT point without
+    reuse is this one): with Flux's shift, progress 0.3 is sigma 0.88, so a step at 0.9 runs
+    unpooled and one at 0.5 pooled."""
+    base = flux_model()
+    (fast,) = nodes.ToMePatch().patch(base, **defaults(
+        method="downsample", schedule="all:2@0.3-1", policy="fixed"))
+    assert torch.equal(flux_run(fast, sigma=0.9), flux_run(base, sigma=0.9))
+    assert not torch.equal(flux_run(fast, sigma=0.5), flux_run(base, sigma=0.5))
+    assert any(line.startswith("ToMe DiT: x2 in all blocks, steps 0.3-1") for line in lines)

@@ -740,3 +740,29 @@ def test_measure_now_plot_of_nothing_is_empty():
     assert measure_now.plot(Survey()) == ""
     page = measure_now.render(Survey(missed=[("merge", 512, "ToMe: why")]))
     assert "Nothing measured" in page and "skipped: why" in page and "<svg" not in page
+
+
+def test_a_preset_on_sd3_says_what_it_resolved_to_and_pastes_back(capsys):
+    """A preset is one config for every model kind: on a DiT its DiT point (schedule, reuse,
+    proportional attention), said in the console and the infotext; a DiT image always lists
+    ``proportional``, so a DiT image without it (made before it existed) pastes back off."""
+    webui = WebUI(_a1111_sd3())
+    res = webui.generate(tome={"enabled": True, "preset": "quality"}, seed=3)
+    out = capsys.readouterr().out
+    assert out.count("ToMe DiT: first pass x8 in all blocks") == 1, out
+    assert "ToMe DiT: first pass x8 in all blocks" in res.info
+    assert "ToMe proportional: True" in res.info and "ToMe reuse: " in res.info
+    named = dict(zip(settings.ARGS, webui.paste("txt2img", res.info)))
+    assert named["proportional"] is True and named["preset"] == "Quality"
+    old = "x\nSteps: 3, ToMe method: downsample, ToMe rope: before"  # a DiT image, older
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", old)))["proportional"] is False
+    unet = "x\nSteps: 3, ToMe method: downsample"  # no DiT key: a UNet image, bias irrelevant
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", unet)))["proportional"] is True
+
+
+def test_a_unet_image_lists_no_dit_field(webui):
+    res = webui.generate(tome=on(preset="fast"))
+    assert "ToMe preset: fast" in res.info
+    for key in ("ToMe schedule", "ToMe reuse", "ToMe proportional", "ToMe rope"):
+        assert key not in res.info
+    assert dict(zip(settings.ARGS, webui.paste("txt2img", res.info)))["preset"] == "Fast"

@@ -380,13 +380,14 @@ def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[in
 def _measure_dit(layout: Layout, latent: tuple[int, int], batch: int, cfg: ToMeConfig,
                  method_name: str, runner: Runner, clock: Clock | None, rounds: int,
                  warmup: int, min_rounds: int) -> Measurement:
-    """A DiT's one level (its patch size): one block of each kind the ``blocks`` setting
-    pools (double-stream and single-stream blocks cost differently) timed unpooled and
-    pooled, summed over the blocks of that kind."""
+    """A DiT's one level (its patch size): one block of each kind the schedule (or the
+    ``blocks`` setting) pools (double-stream and single-stream blocks cost differently),
+    timed unpooled and pooled, summed over the blocks of that kind."""
     method, level = dit.method_for(cfg), layout.dit.patch
+    schedule, n = dit.schedule_of(cfg), len(layout.blocks)
     kinds: dict[str, list[nn.Module]] = {}
     for i, b in enumerate(layout.blocks):
-        if method is not None and dit.selects(cfg.blocks, i, b.kind):
+        if method is not None and schedule.factor(i, b.kind, n, None):
             kinds.setdefault(b.kind, []).append(b.module)
     reps = {k: representative(bs, ()) for k, bs in kinds.items()}  # the adapter chose them
     _check_memory(layout, latent, batch, dict.fromkeys([level], next(iter(reps.values()), None)))

@@ -43,7 +43,8 @@ FORMAT, VERSION = "tome-measurements", 2
 # end, policy and use_rand do not.
 KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_factor",
               "merge_attn", "merge_crossattn", "merge_mlp")
-DIT_FIELDS = ("rope", "blocks")  # and on DiTs (only there: UNet cache keys stay as they were)
+# and on DiTs (only there: UNet cache keys stay as they were)
+DIT_FIELDS = ("rope", "blocks", "proportional", "schedule")
 
 
 def fingerprint(model: Any) -> str:

@@ -418,7 +418,9 @@ def patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     ``DitAttn1Patch`` on a clone. The auto policy decides by the device kind's token
     thresholds here (a DiT block is not timed through this contract)."""
     method = dit.method_for(config)
-    chosen = [b for i, b in enumerate(layout.blocks) if dit.selects(config.blocks, i, b.kind)]
+    from .config import without_reuse
+    schedule, n = dit.schedule_of(without_reuse(config)), len(layout.blocks)
+    chosen = [b for i, b in enumerate(layout.blocks) if schedule.factor(i, b.kind, n, None)]
     p = layout.dit.patch
     report = PatchReport.of(layout, config, ATTN1_PATCH, max_downsample=p,
                             levels={p: len(chosen)} if chosen and method else {})
@@ -428,7 +430,11 @@ def patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()
-    patch = DitAttn1Patch(config, layout, window_of(unet_patcher, config, flow=True))
+    # The planner's window is the schedule's (a preset's DiT point may start late); windows
+    # that differ per item are not applied here (``DitAttn1Patch.limits``).
+    start, end = schedule.window()
+    window = window_of(unet_patcher, config.replace(start=start, end=end), flow=True)
+    patch = DitAttn1Patch(config, layout, window)
     report.skipped, report.planner = patch.skipped, patch.planner
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)

@@ -51,6 +51,17 @@ def sdnext() -> bool:
         return False
 
 
+def denoiser_kind(model: Any) -> str:
+    """"DiT" or "UNet": what the current model's denoiser is (the Forge family's through its
+    UNet patcher); "UNet" where it cannot be read."""
+    target = getattr(getattr(model, "forge_objects", None), "unet", None)
+    target = getattr(target, "model", None) if target is not None else model
+    try:
+        return read(target).kind
+    except UnsupportedModelError:
+        return "UNet"
+
+
 def is_dit(model: Any) -> bool:
     try:
         return read(model).dit is not None

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import methods
-from ..config import FIELDS, ToMeConfig, coerce, preset
+from ..config import DIT_FIELDS, FIELDS, ToMeConfig, coerce, preset
 from . import script_args as S
 
 CONFIG_KEYS = {name: FIELDS[name].metadata["infotext"] for name in S.CONFIG_KEYS}
@@ -28,40 +28,50 @@ HR_RATIO = "ToMe hr ratio"
 PASS_LABELS = {"first": "first pass", "hires": "hires pass", "img2img": "img2img"}
 SKIPPED = "ToMe skipped"
 STEPS = "ToMe steps"  # which steps the start/end window merged, per pass
+RESOLVED = "ToMe DiT"  # what a DiT pass's settings resolved to (schedule, reuse, bias)
 AUTO = "ToMe auto"
 MERGED = "ToMe merged"
 # arg name -> infotext key, for every positional argument except ``enabled``.
 KEYS = {**CONFIG_KEYS, "hires_only": HIRES_ONLY, "hr_ratio": HR_RATIO, "preset": PRESET}
 # The keys that say how an image was merged (pasting them back turns ToMe on).
 SETTINGS_KEYS = (*KEYS.values(), AUTO, MERGED)
-ALL_KEYS = (*SETTINGS_KEYS, SKIPPED, STEPS)
+ALL_KEYS = (*SETTINGS_KEYS, SKIPPED, STEPS, RESOLVED)
 _LIBRARY = ToMeConfig()
 
 
-def build(s: S.ScriptSettings, passes: Mapping[str, ToMeConfig | None]) -> dict[str, Any]:
+def build(s: S.ScriptSettings, passes: Mapping[str, ToMeConfig | None],
+          kind: str = "UNet") -> dict[str, Any]:
     """The infotext entries of a generation with settings ``s`` and per-pass configs
-    ``passes``; empty when ToMe changes nothing in any pass."""
+    ``passes`` on a model of ``kind`` ("UNet" or "DiT": a UNet image lists no DiT field, and a
+    DiT image always lists ``proportional``, which images from before it existed lack);
+    empty when ToMe changes nothing in any pass."""
     if not any(cfg is not None for cfg in passes.values()):
         return {}
     cfg = passes.get("img2img") or s.config  # img2img's config carries its own ratio
     out: dict[str, Any] = {}
     if s.preset is not None:
         out[PRESET] = s.preset
-    for name, value in relevant(cfg).items():
-        if name == "ratio" or value != getattr(_LIBRARY, name):
+    for name, value in relevant(cfg, kind).items():
+        if name in ("ratio", "proportional") or value != getattr(_LIBRARY, name):
             out[CONFIG_KEYS[name]] = value
     if passes.get("hires") is not None:
         if s.hires_only:
             out[HIRES_ONLY] = True
-        if s.hr_ratio and s.hr_ratio != cfg.ratio and "ratio" in relevant(cfg):
+        if s.hr_ratio and s.hr_ratio != cfg.ratio and "ratio" in relevant(cfg, kind):
             out[HR_RATIO] = s.hr_ratio
     return out
 
 
-def relevant(cfg: ToMeConfig) -> dict[str, Any]:
-    """The config fields that can change the image under the chosen method."""
-    skip = methods.get(cfg.method).ignores
+def relevant(cfg: ToMeConfig, kind: str = "UNet") -> dict[str, Any]:
+    """The config fields that can change the image under the chosen method on a model of
+    ``kind`` (a UNet reads no DiT field)."""
+    skip = methods.get(cfg.method).ignores + (DIT_FIELDS if kind != "DiT" else ())
     return {name: getattr(cfg, name) for name in S.CONFIG_KEYS if name not in skip}
+
+
+def kind_of(params: Mapping[str, Any]) -> str:
+    """The model kind an infotext was written for: a DiT image lists a DiT field."""
+    return "DiT" if any(CONFIG_KEYS[n] in params for n in DIT_FIELDS) else "UNet"
 
 
 def has_tome(params: Mapping[str, Any]) -> bool:
@@ -125,6 +135,8 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
         if not has_tome(params):
             return None
         raw = params.get(key)
+        if raw is None and name == "proportional" and kind_of(params) == "DiT":
+            return False  # a DiT image always lists it: this one predates it (pooled plainly)
         if raw is None:
             return _plain_default(name, default)
         try:
@@ -152,7 +164,9 @@ def _read_preset(params: Mapping[str, Any]) -> str | None:
             return S.CUSTOM
         pasted = ToMeConfig.from_dict({name: params[k] for name, k in CONFIG_KEYS.items()
                                        if k in params})
-        return S.preset_label(key) if relevant(pasted) == relevant(preset(key)) else S.CUSTOM
+        kind = kind_of(params)
+        return S.preset_label(key) if relevant(pasted, kind) == relevant(preset(key), kind) \
+            else S.CUSTOM
     except ValueError:
         return S.CUSTOM
 

@@ -142,6 +142,14 @@ class Voice:
         p.extra_generation_params[infotext.STEPS] = " | ".join(
             f"{PASS_LABELS[name]} {w.merged} of {w.steps}" for name, w in counted.items())
 
+    def dit_resolved(self, p: Any, name: str, text: str) -> None:
+        """Per DiT pass: what its settings resolved to (console once, infotext note)."""
+        line = f"{PASS_LABELS[name]} {text}"
+        self.say(f"ToMe DiT: {line}")
+        old = p.extra_generation_params.get(infotext.RESOLVED)
+        if not old or line not in str(old).split(" | "):
+            p.extra_generation_params[infotext.RESOLVED] = f"{old} | {line}" if old else line
+
     def skipped_blocks(self, p: Any, skipped: list[tuple[Any, str]]) -> None:
         """Blocks another extension has taken over are left alone: one infotext note, and one
         console line unless the summary line already said it."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import is_patched, methods, patch, policy, remove_patch
-from ..config import ToMeConfig
+from ..config import ToMeConfig, resolved
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
 from . import host, infotext, narrate
@@ -93,7 +93,8 @@ def process(p: Any, args: Sequence[Any], *, img2img: bool) -> None:
     gen.ready = True
     if not img2img and gen.settings.hires_only and not gen.hires:
         narrate.hires_only_without_hires()
-    p.extra_generation_params.update(infotext.build(gen.settings, gen.passes))
+    p.extra_generation_params.update(infotext.build(gen.settings, gen.passes,
+                                                    host.denoiser_kind(host.current_model(p))))
 
 
 def before_sampling(p: Any, x: Any = None) -> None:
@@ -285,6 +286,8 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
                       report.coverage(), report.skipped, cfg.seed if seeded else None)
     for note in report.notes():
         gen.voice.say(note)
+    if report.kind == "DiT":  # what the settings resolved to on it (a preset's DiT point)
+        gen.voice.dit_resolved(p, name, resolved(report.config, report.kind))
     if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
         planner = report.planner
         planner.on_decided = lambda size, decisions: gen.voice.auto_choice(
