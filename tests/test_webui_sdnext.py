@@ -159,3 +159,36 @@ def test_the_cache_lands_in_its_folder_without_a_data_dir(webui, monkeypatch, tm
     fake.data_path, fake.script_path = "", str(tmp_path)
     monkeypatch.setitem(sys.modules, "modules.paths_internal", fake)
     assert host.cache_path() == tmp_path.resolve() / "cache" / "tome" / "measurements.json"
+
+
+def test_a_dit_pipeline_gets_each_pass_setting_too(monkeypatch):
+    """SD.Next's SD3 pipeline: the router switches the transformer's processors per pass
+    (removed inside its own call without breaking torch's held hooks), and everything is
+    gone afterwards."""
+    import diffusers
+    sdnext.enter()
+    try:
+        torch.manual_seed(0)
+        sd3 = diffusers.SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+            pooled_projection_dim=24, out_channels=4, pos_embed_max_size=32).eval()
+        ui = WebUI(sdnext.Pipeline(transformer=sd3))
+        sdnext.add_options()
+        seen = []
+        sd3.register_forward_pre_hook(lambda m, a: seen.append(
+            None if (r := tome.patch_report(m)) is None else r.config.downsample_factor))
+        hires = {"enable_hr": True, "hr_scale": 1.5, "denoising_strength": 0.5}
+        args = {"enabled": True, "method": "downsample", "policy": "fixed", "hires_only": True}
+        only = generate(ui, args, **hires)
+        assert seen == [None] * 3 + [2] * 3
+        assert not tome.is_patched(sd3) and not sd3._forward_pre_hooks.keys() - {
+            next(iter(sd3._forward_pre_hooks))}  # only the observer above is left
+        none = generate(ui, **hires)
+        assert not torch.equal(image(only), image(none))
+        seen.clear()  # a pooled pass after a pooled pass: swapped inside the hires call
+        both = generate(ui, {**args, "hires_only": False, "hr_ratio": 0.3}, **hires)
+        assert seen == [2] * 6 and not tome.is_patched(sd3)
+        assert not torch.equal(image(both), image(only))
+    finally:
+        sdnext.leave()

@@ -44,13 +44,28 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     return patch.apply(model, config, measurer, layout)
 
 
-def remove(model: Any) -> Any:
+def remove(model: Any, during_call: bool = False) -> Any:
     """Remove our patch, whichever adapter on plain modules made it; the model's outputs are
-    then bit-identical to never patched."""
+    then bit-identical to never patched (after ``flush``, where removed ``during_call``: from
+    inside the model's own forward pre-hooks, SD.Next's per-pass switch)."""
     root = patch.patched_root(model)
-    if not processors.remove(root):
-        patch.remove(root)
+    if not processors.remove(root, during_call):
+        patch.remove(root, during_call)
     return model
+
+
+def begin_call(model: Any, args: tuple, kwargs: dict) -> None:
+    """Start the current call on a patch applied inside that call's own pre-hooks (torch runs
+    the hooks it held when the call began, so the new patch's call hook would miss it)."""
+    root = patch.patched_root(model)
+    if not processors.begin_call(root, args, kwargs):
+        patch.begin_call(root, args, kwargs)
+
+
+def flush() -> None:
+    """Remove the inert call hooks that removals during a call left (after a generation)."""
+    patch.flush()
+    processors.flush()
 
 
 def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,

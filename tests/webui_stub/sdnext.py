@@ -87,17 +87,33 @@ def add_options() -> None:
 # ----------------------------------------------------------------------------- the model
 
 class Pipeline:
-    """A diffusers pipeline: its ``unet``; SD.Next swaps pipeline objects between tasks."""
+    """A diffusers pipeline: its ``unet`` (SD1.5) or ``transformer`` (SD3); SD.Next swaps
+    pipeline objects between tasks."""
 
-    def __init__(self, unet: torch.nn.Module):
-        self.unet = unet
+    def __init__(self, unet: torch.nn.Module | None = None,
+                 transformer: torch.nn.Module | None = None):
+        if unet is not None:
+            self.unet, self.is_sd1 = unet, True
+        else:
+            self.transformer, self.is_sd3 = transformer, True
         self.sd_checkpoint_info = object()
         self.context_dim = 32
-        self.is_sd1 = True
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return getattr(self, "unet", None) or self.transformer
 
     def switch(self) -> Pipeline:
         """``set_diffuser_pipe``: a new pipeline object around the same modules."""
-        return Pipeline(self.unet)
+        return Pipeline(getattr(self, "unet", None), getattr(self, "transformer", None))
+
+    def __call__(self, x, t, cond):
+        """One denoiser call as the pipeline makes it (SD3: timesteps 0..1000)."""
+        if hasattr(self, "unet"):
+            return self.unet(x, t, encoder_hidden_states=cond).sample
+        pooled = torch.zeros(x.shape[0], 24)
+        return self.transformer(hidden_states=x, timestep=t.expand(x.shape[0]),
+                                encoder_hidden_states=cond, pooled_projections=pooled).sample
 
 
 class TokenMergeAttentionProcessor:
@@ -120,6 +136,8 @@ class TokenMergeAttentionProcessor:
 
 def apply_builtin(pipe: Pipeline) -> None:
     o = shared.opts
+    if not hasattr(pipe, "unet"):  # its ToMe and ToDo reach UNets only
+        return
     if o.token_merging_method == "ToMe" and o.tome_ratio > 0:
         import tomesd
         tomesd.apply_patch(pipe.unet, ratio=o.tome_ratio, use_rand=False)
@@ -162,21 +180,20 @@ def remove_builtin(pipe: Pipeline) -> None:
 calls: list[tuple[str, torch.nn.Module]] = []  # (pass, UNet) per UNet call
 
 
-def _denoise(p, unet, x, steps, t_from=999.0):
+def _denoise(p, pipe, x, steps, t_from=999.0):
     cond, uncond = p.conds(x.shape[0])
     for t in torch.linspace(t_from, 0.0, steps):
         calls.append(("refiner" if getattr(p, "is_refiner_pass", False)
-                      else "hires" if p.is_hr_pass else "base", unet))
+                      else "hires" if p.is_hr_pass else "base", pipe.denoiser))
         with torch.no_grad():
-            out = unet(torch.cat([x, x]), t, encoder_hidden_states=torch.cat([cond, uncond]))
-        eps_c, eps_u = out.sample.chunk(2)
+            out = pipe(torch.cat([x, x]), t, torch.cat([cond, uncond]))
+        eps_c, eps_u = out.chunk(2)
         x = x - 0.1 * (eps_u + p.cfg_scale * (eps_c - eps_u))
     return x
 
 
 def _process_diffusers(p):
-    x = _denoise(p, shared.sd_model.unet, p.noise((1, 4, p.height // 8, p.width // 8)),
-                 p.steps)
+    x = _denoise(p, shared.sd_model, p.noise((1, 4, p.height // 8, p.width // 8)), p.steps)
     if getattr(p, "interrupt_after_base", False):
         shared.state.interrupted = True
         return x
@@ -185,12 +202,12 @@ def _process_diffusers(p):
         shared.sd_model = shared.sd_model.switch()
         x = F.interpolate(x, scale_factor=p.hr_scale, mode="nearest")
         x = x + p.noise((1, *x.shape[1:])) * p.denoising_strength
-        x = _denoise(p, shared.sd_model.unet, x, p.hr_second_pass_steps or p.steps,
+        x = _denoise(p, shared.sd_model, x, p.hr_second_pass_steps or p.steps,
                      999.0 * p.denoising_strength)
         p.is_hr_pass = False
     if shared.sd_refiner is not None:
         p.is_refiner_pass = True
-        x = _denoise(p, shared.sd_refiner.unet, x, 2, 999.0 * 0.2)
+        x = _denoise(p, shared.sd_refiner, x, 2, 999.0 * 0.2)
         p.is_refiner_pass = False
     return x
 

@@ -62,13 +62,6 @@ def denoiser_kind(model: Any) -> str:
         return "UNet"
 
 
-def is_dit(model: Any) -> bool:
-    try:
-        return read(model).dit is not None
-    except UnsupportedModelError:
-        return False
-
-
 def denoisers(p: Any) -> list[Any]:
     """SD.Next: the UNets (or DiTs) of the base pipeline and of the refiner, where set; the
     modules themselves, since SD.Next swaps pipeline objects around the same UNet between

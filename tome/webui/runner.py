@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import is_patched, methods, patch, policy, remove_patch
+from .. import adapters, is_patched, methods, policy, remove_patch
 from ..config import ToMeConfig, resolved
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
@@ -163,7 +163,7 @@ def restore_all() -> None:
         _routers.pop().remove()
     for m in list(_patched):
         _unpatch(m)
-    patch.flush()
+    adapters.flush()
 
 
 # SD.Next: the routers' hook handles, one per UNet, for the generation.
@@ -194,21 +194,16 @@ def _routed(p: Any, unet: Any, args: tuple, kwargs: dict) -> None:
     name = gen.pass_name(p)
     if gen.routed.get(id(unet)) == name:
         return
-    if is_patched(unet) and host.is_dit(unet):
-        # A DiT's attention processors are not removed inside its own call: it keeps the
-        # setting it has (said once).
-        gen.voice.say("ToMe: this DiT keeps its first pass's setting in the passes after it")
-        return
     gen.routed[id(unet)] = name
     _patched.discard(unet)
-    patch.remove(unet, during_call=True)
+    adapters.remove(unet, during_call=True)
     cfg = gen.passes.get(name)
     if cfg is None:
         return
     x = args[0] if args else kwargs.get("sample")
     _patch(p, unet, gen, cfg.replace(seed=host.seed_of(p)), name, x,
            host.model_kind(host.current_model(p)))
-    patch.begin_call(unet, args, kwargs)  # torch holds this call's old hooks: start it on ours
+    adapters.begin_call(unet, args, kwargs)  # torch holds the call's old hooks: start ours
 
 
 # ----------------------------------------------------------------------------- helpers
