@@ -17,4 +17,10 @@ matplotlib, pillow, safetensors). One module per job:
 - ``bench``, ``showcase``, ``speed_demo``: the command lines (``make bench``, ``make demo``,
   ``make speed-demo``)
 - ``tinyldm``: the small trained diffusion model the quality figures use
+- ``tinydit``: the small trained DiT (Flux-like joint blocks) the DiT quality figures use
+- ``dit_bench``: Flux- and SD3-shaped transformers timed unpooled and pooled (``make
+  bench-dit``); ``dit_bias_bench``: what the proportional-attention bias costs per kernel
+- ``dit_quality``: the DiT settings' fidelity on the tiny DiT (PSNR, held-out loss);
+  ``dit_frontier``: the DiT presets' frontier (approach by approach, its plot and grid)
+- ``unet_proportional``: proportional attention for UNet merging, measured (not shipped)
 """
