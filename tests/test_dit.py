@@ -537,3 +537,21 @@ def test_a1111_sd3_auto_policy_measures_its_blocks(tmp_path):
         assert decision.merged and "measured 2.00x" in decision.reason
     finally:
         tome.remove_patch(model)
+
+
+def test_a_flux_attention_older_than_the_maths_stays_unpooled(flux, monkeypatch):
+    """diffusers before 0.35 (SD.Next pins 0.33.1) lays Flux attention out otherwise: seen in
+    the real SD.Next as HTTP 500 ``'Attention' object has no attribute 'head_dim'``. Its
+    blocks are skipped with the reason; the model runs as without ToMe."""
+    import diffusers.models.embeddings as emb
+
+    def old_apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        raise AssertionError("never called")
+    monkeypatch.setattr(emb, "apply_rotary_emb", old_apply_rotary_emb)
+    ref = run(flux, flux_inputs())
+    with pytest.warns(UserWarning, match="predates the one ToMe reproduces"):
+        tome.apply_patch(flux, method="downsample")
+    try:
+        assert torch.equal(run(flux, flux_inputs()), ref)
+    finally:
+        tome.remove_patch(flux)

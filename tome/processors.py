@@ -267,7 +267,22 @@ def block_problem(block: nn.Module) -> str | None:
             return "already pooled by another ToMe patch"
         if name not in FLUX_PROCESSORS + JOINT_PROCESSORS:
             return f"attention processor {name} is not one ToMe reproduces (e.g. IP-Adapter's)"
+        if name in FLUX_PROCESSORS and not _flux_maths_match(a):
+            import diffusers
+            return (f"diffusers {diffusers.__version__}'s Flux attention predates the one ToMe "
+                    "reproduces (diffusers 0.35 or later)")
     return None
+
+
+def _flux_maths_match(attn: nn.Module) -> bool:
+    """``_flux`` reproduces diffusers' Flux attention from 0.35 on ([B, S, heads, head_dim],
+    ``attn.head_dim``, ``apply_rotary_emb(..., sequence_dim=1)``); older releases (SD.Next
+    pins 0.33) lay it out otherwise: their blocks stay unpooled, never fail a generation."""
+    import inspect
+
+    from diffusers.models.embeddings import apply_rotary_emb
+    return hasattr(attn, "head_dim") and \
+        "sequence_dim" in inspect.signature(apply_rotary_emb).parameters
 
 
 def _shadow(module: nn.Module, name: str, cls: type, into: list, *args: Any) -> None:
