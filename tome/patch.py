@@ -31,9 +31,7 @@ from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, unusable
-from .report import HOOKS, PatchReport
-
-STATE_ATTR = "_tome_sd_state"  # tomesd uses ``_tome_info`` and the class name ``ToMeBlock``.
+from .report import HOOKS, STATE_ATTR, PatchReport
 
 
 class _State:

@@ -32,7 +32,7 @@ from . import plan as _plan
 from .attend import PostAttention, PreAttention
 from .config import ToMeConfig
 from .layout import Block, Layout
-from .report import PROCESSORS, PatchReport
+from .report import PROCESSORS, STATE_ATTR, PatchReport
 
 # The processors whose maths ``_flux`` / ``_joint`` reproduce (class names, any diffusers
 # version that has them); pooling any other one would drop what it adds.
@@ -411,9 +411,6 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         vars(root).pop(STATE_ATTR, None)
         raise
     return report
-
-
-STATE_ATTR = "_tome_sd_state"  # the same attribute as the hook adapter's: one patch per model
 
 
 def _remove(state: _State, during_call: bool = False) -> None:

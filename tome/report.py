@@ -19,6 +19,10 @@ from .config import ToMeConfig
 # processors (diffusers DiTs).
 HOOKS, ATTN1_PATCH, PROCESSORS = "hooks", "attn1 patch", "processors"
 
+# Where a patch on plain modules (hooks or processors) keeps its state: one attribute, so a
+# model carries one patch of ours at a time (tomesd uses ``_tome_info`` and ``ToMeBlock``).
+STATE_ATTR = "_tome_sd_state"
+
 TOMESD_REPLACED = ("ToMe: the model was patched by tomesd (e.g. the WebUI's built-in token "
                    "merging); that patch was removed so tokens are never merged twice")
 
