@@ -751,6 +751,7 @@ def test_a_preset_on_sd3_says_what_it_resolved_to_and_pastes_back(capsys):
     out = capsys.readouterr().out
     assert out.count("ToMe DiT: first pass x8 in all blocks") == 1, out
     assert "ToMe DiT: first pass x8 in all blocks" in res.info
+    assert "rope" not in res.info.split("ToMe DiT: ")[1].split(",")[0]  # SD3 has no RoPE
     assert "ToMe proportional: True" in res.info and "ToMe reuse: " in res.info
     named = dict(zip(settings.ARGS, webui.paste("txt2img", res.info)))
     assert named["proportional"] is True and named["preset"] == "Quality"

@@ -142,7 +142,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         here = without_reuse(config)
         if "proportional attention" in (limits or ()):
             here = here.replace(proportional=False)
-        say(f"ToMe DiT: {resolved(here, report.kind)}"
+        say(f"ToMe DiT: {resolved(here, report.kind, report.rope)}"
             + (f" (this ComfyUI form cannot apply: {', '.join(limits)})" if limits else ""))
     return clone
 

@@ -282,7 +282,7 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     for note in report.notes():
         gen.voice.say(note)
     if report.kind == "DiT":  # what the settings resolved to on it (a preset's DiT point)
-        gen.voice.dit_resolved(p, name, resolved(report.config, report.kind))
+        gen.voice.dit_resolved(p, name, resolved(report.config, report.kind, report.rope))
     if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
         planner = report.planner
         planner.on_decided = lambda size, decisions: gen.voice.auto_choice(
