@@ -8,7 +8,8 @@
   them);
 - ``FluxLike``: a DiT whose blocks never call the attn1 patches;
 - ``FakeClock``, ``fake_clock``: measuring clocks that answer per phase
-  (``measure.PHASES``).
+  (``measure.PHASES``);
+- ``compiles_like_eager``: a function compiled in one graph gives its eager answer.
 """
 
 from __future__ import annotations
@@ -167,3 +168,11 @@ def fake_clock(speedup: float, calls: list | None = None, run_blocks: bool = Tru
     return clock
 
 
+def compiles_like_eager(fn, *args) -> None:
+    """``fn`` compiles with ``fullgraph=True`` (no graph break) and the compiled call gives
+    what the eager call gives (its first output)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out, ref = compiled(*args), fn(*args)
+    torch.testing.assert_close(out[0], ref[0])

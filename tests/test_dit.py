@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from stubs import fake_clock
+from stubs import compiles_like_eager, fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
@@ -327,14 +327,8 @@ def test_pooled_attention_compiles_in_one_graph(flux):
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
     wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
         dit.DitPlan(H, W, 2, "pooled"), T), True)
-    torch._dynamo.reset()
-    fn = torch.compile(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb), fullgraph=True,
-                       backend="eager")
-    hs, ehs = torch.randn(2, H * W, 32), torch.randn(2, T, 32)
-    with torch.no_grad():
-        out = fn(hs, ehs)
-        ref = wrapper(attn, hs, ehs, None, emb)
-    torch.testing.assert_close(out[0], ref[0])
+    compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb),
+                        torch.randn(2, H * W, 32), torch.randn(2, T, 32))
 
 
 def test_compiled_blocks_keep_one_graph_across_steps(flux):
