@@ -310,14 +310,15 @@ class DitPool(methods.Downsample):
         return plan
 
 
-#: The DiT form of each method that has one (``method`` name -> method object).
-FORMS: dict[str, methods.Method] = {"downsample": DitPool()}
+# The DiT form rides on the method it belongs to: ``methods.REGISTRY`` stays the only registry.
+methods.get("downsample").dit_form = DitPool()
 
 
 def method_for(config: Any) -> methods.Method | None:
-    """The DiT form of ``config.method``, or None when the method has none (merge: pairing
-    tokens across a joint sequence with text in it is not what ToMe for SD measured)."""
-    return FORMS.get(config.method)
+    """The DiT form of ``config.method`` (``Method.dit_form``), or None when the method has
+    none (merge: pairing tokens across a joint sequence with text in it is not what ToMe for
+    SD measured)."""
+    return methods.get(config.method).dit_form
 
 
 def no_form(config: Any, family: str) -> str:

@@ -63,6 +63,9 @@ class Method:
     # ``docs/speed.md``). Merge and downsample measured the same break-even; a method that
     # pays earlier or later overrides this.
     thresholds: dict[str, int] = {"cpu": 4096, "cuda": 16384, "mps": 4096}
+    # The method's form on a DiT (``dit.DitPool`` for downsample, set by ``dit.py``, which
+    # builds on this module); None: the method has no DiT form (merge).
+    dit_form: Method | None = None
 
     def describe(self, c: ToMeConfig) -> str:
         return f"{self.value_field} {self.value_text(c)}"
