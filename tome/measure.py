@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import platform
 import time
@@ -81,23 +80,6 @@ class Measurement:
     method: str
     rows: tuple[LevelTiming, ...]
 
-    def merged_levels(self, margin: float = MARGIN) -> tuple[int, ...]:
-        return tuple(r.level for r in self.rows if decide(r, margin))
-
-    def table(self, margin: float = MARGIN) -> str:
-        """An aligned plain-text table, one line per level, for the console and docs."""
-        h, w = self.latent
-        head = (f"ToMe measurement on {self.device}, {self.dtype}, latent {w}x{h}, "
-                f"batch {self.batch}, {self.method}")
-        cols = ("level", "tokens", "blocks", "plans", "unmerged ms", "merged ms", "speed-up",
-                "merge")
-        lines = [cols] + [(f"ds{r.level}", str(r.tokens), str(r.blocks), str(r.plans),
-                           f"{r.unmerged_ms:.3f}", f"{r.merged_ms:.3f}", f"{r.speedup:.2f}x",
-                           "yes" if decide(r, margin) else "no") for r in self.rows]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
-        return "\n".join([head] + ["  ".join(c.rjust(n) for c, n in zip(line, widths))
-                                   for line in lines])
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["latent"] = list(self.latent)
@@ -119,17 +101,6 @@ class Measurement:
                 math.isfinite(t) and t >= 0 for r in rows for t in (r.unmerged_ms, r.merged_ms)):
             raise ValueError("ToMe: not a measurement: unexpected fields or times")
         return m
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Measurement:
-        try:
-            data = json.loads(text)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"ToMe: not a measurement: {e!r}") from None
-        return cls.from_dict(data)
 
 
 
