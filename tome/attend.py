@@ -177,18 +177,15 @@ def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
             rotate: Any = None) -> torch.Tensor:
     """Attention with the image keys/values pooled (``kernel(q, k, v, bias)``), the
     proportional bias where the plan has it, and the residual reuse where the patch has it.
-    Queries are rotated by ``emb``; keys get their positions per ``plan.rope``."""
+    Queries are rotated by ``emb``; keys get their positions per ``plan.rope``
+    (``DitPlan.keys``)."""
     n = k.shape[dim]
     if emb is not None:
         q = rotate(q, emb)
-        if plan.rope == "before":
-            k = rotate(k, emb)
-            kp = plan.pool(k, start, dim)
-        else:
-            pooled = plan.positions(emb, start, lambda e: dit.pool_cos_sin(
-                e[0], e[1], start, plan.h, plan.w, plan.factor))
-            kp = rotate(plan.pool(k, start, dim), pooled)
-            k = None if wrapper is None or not wrapper.source.reuse.every else rotate(k, emb)
+        kp = plan.keys(k, start, dim, emb, rotate, lambda e: dit.pool_cos_sin(
+            e[0], e[1], start, plan.h, plan.w, plan.factor))
+        # the full keys, rotated, only where reuse runs the unpooled attention
+        k = None if wrapper is None or not wrapper.source.reuse.every else rotate(k, emb)
     else:
         kp = plan.pool(k, start, dim)
     out = kernel(q, kp, plan.pool(v, start, dim), plan.bias(start, n, q.device))

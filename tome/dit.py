@@ -153,6 +153,17 @@ class DitPlan:
             self._bias = (key, key_bias(start, total, self.h, self.w, self.factor, device))
         return self._bias[1]
 
+    def keys(self, k: torch.Tensor, start: int, dim: int, emb: Any, rotate: Any,
+             pool_positions: Any) -> torch.Tensor:
+        """The pooled keys with their positions, per ``rope``: every key rotated by its own
+        position, then pooled ("before"), or pooled, then rotated by its cell's mean position
+        ("pooled"). ``rotate(x, emb)`` and ``pool_positions(emb)`` speak the host's embedding
+        form (diffusers' cos/sin pair, ComfyUI's 2x2 matrices); the one RoPE branch of every
+        adapter."""
+        if self.rope == "before":
+            return self.pool(rotate(k, emb), start, dim)
+        return rotate(self.pool(k, start, dim), self.positions(emb, start, pool_positions))
+
     def positions(self, emb: Any, start: int, pool: Any) -> Any:
         """``pool(emb)``, once per call: every block of a call shares the embedding (a plan
         lives for one call, so the embedding outlives the cache). Not cached while

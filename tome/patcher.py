@@ -232,12 +232,8 @@ class DitAttn1Patch:
         start = int(span[0])
         if pe is None:
             return {"k": plan.pool(k, start, 2), "v": plan.pool(v, start, 2)}
-        if plan.rope == "before":
-            keys = plan.pool(dit.rotate(k, pe), start, 2)
-        else:
-            pooled = plan.positions(pe, start, lambda e: dit.pool_rotations(
-                e, start, h, w, plan.factor))
-            keys = dit.rotate(plan.pool(k, start, 2), pooled)
+        keys = plan.keys(k, start, 2, pe, dit.rotate, lambda e: dit.pool_rotations(
+            e, start, h, w, plan.factor))
         return {"q": dit.rotate(q, pe), "k": keys, "v": plan.pool(v, start, 2),
                 "pe": identity_rotation(pe)}
 
