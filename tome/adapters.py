@@ -17,7 +17,7 @@ from typing import Any
 from . import patch, patcher, processors
 from .config import ToMeConfig
 from .layout import Layout, read
-from .report import PatchReport
+from .report import STATE_ATTR, PatchReport
 
 MODULES, MODEL_PATCHER = "modules", "model patcher"
 
@@ -46,26 +46,36 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
 
 def remove(model: Any, during_call: bool = False) -> Any:
     """Remove our patch, whichever adapter on plain modules made it; the model's outputs are
-    then bit-identical to never patched (after ``flush``, where removed ``during_call``: from
-    inside the model's own forward pre-hooks, SD.Next's per-pass switch)."""
+    then bit-identical to never patched.
+
+    ``during_call``: from inside the model's own forward pre-hooks (SD.Next switches the
+    setting per pass at a call). torch holds that call's hooks and calls a keyword hook
+    removed meanwhile without its keywords, so the patch's call hook (registered first) stays,
+    inert, until ``flush`` after the generation."""
     root = patch.patched_root(model)
-    if not processors.remove(root, during_call):
-        patch.remove(root, during_call)
+    state = vars(root).get(STATE_ATTR)
+    if during_call and getattr(state, "handles", None):
+        _parked.append(state.handles.pop(0))
+    if not processors.remove(root):
+        patch.remove(root)
     return model
+
+
+_parked: list[Any] = []  # call hooks of patches removed during a call (``remove``)
 
 
 def begin_call(model: Any, args: tuple, kwargs: dict) -> None:
     """Start the current call on a patch applied inside that call's own pre-hooks (torch runs
     the hooks it held when the call began, so the new patch's call hook would miss it)."""
-    root = patch.patched_root(model)
-    if not processors.begin_call(root, args, kwargs):
-        patch.begin_call(root, args, kwargs)
+    state = vars(patch.patched_root(model)).get(STATE_ATTR)
+    if state is not None:
+        state.hooks.call_pre(None, args, kwargs)
 
 
 def flush() -> None:
     """Remove the inert call hooks that removals during a call left (after a generation)."""
-    patch.flush()
-    processors.flush()
+    while _parked:
+        _parked.pop().remove()
 
 
 def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,

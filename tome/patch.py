@@ -164,8 +164,8 @@ class _Hooks:
         self.method = state.planner.method
 
     # UNet ---------------------------------------------------------------
-    def unet_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
-        if self.state.removed:  # removed while torch held this call's hooks (``begin_call``)
+    def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
+        if self.state.removed:  # removed while torch held this call's hooks (adapters.remove)
             return
         x = _first(args, kwargs, _X_NAMES, 0)
         t = _first(args, kwargs, _T_NAMES, 1)
@@ -291,7 +291,7 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None,
     hooks = state.hooks = _Hooks(state)
     try:
         h = state.handles
-        h.append(unet.register_forward_pre_hook(hooks.unet_pre, with_kwargs=True))
+        h.append(unet.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))
         h.append(unet.register_forward_hook(hooks.unet_post, with_kwargs=True))
         for b in targets:
             h.append(b.register_forward_pre_hook(hooks.block_pre, with_kwargs=True))
@@ -310,41 +310,16 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None,
     return report
 
 
-def remove(model: Any, during_call: bool = False) -> Any:
-    """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone.
-
-    ``during_call``: removed from inside a forward pre-hook of the UNet (a host that switches
-    the setting per call, SD.Next). torch holds that call's pre-hooks, and calls a keyword
-    hook removed meanwhile without its keywords, so the call hook stays registered, inert,
-    until ``flush`` (after the generation)."""
+def remove(model: Any) -> Any:
+    """Remove our patch: hooks and attributes go; a tomesd patch, if any, is left alone. The
+    state is marked removed, so a hook torch still holds for a running call does nothing."""
     unet = patched_root(model)
     state = vars(unet).pop(STATE_ATTR, None)
     if state is not None:
         state.removed, state.call = True, None
-        for i, handle in enumerate(state.handles):
-            if during_call and i == 0:  # the UNet's call hook, registered first
-                _parked.append(handle)
-            else:
-                handle.remove()
+        for handle in state.handles:
+            handle.remove()
     return model
-
-
-_parked: list[Any] = []  # call hooks of patches removed during a call (``remove``)
-
-
-def flush() -> None:
-    """Remove the inert call hooks ``remove(during_call=True)`` left; outside any UNet call."""
-    while _parked:
-        _parked.pop().remove()
-
-
-def begin_call(model: Any, args: tuple, kwargs: dict) -> None:
-    """Start the current UNet call on a patch applied from inside that call's own pre-hooks (a
-    host that picks the setting per call, SD.Next's hires pass): torch runs the hooks it held
-    when the call began, so the new patch's call hook would miss this call."""
-    hooks = getattr(state_of(model), "hooks", None)
-    if hooks is not None:
-        hooks.unet_pre(None, args, kwargs)
 
 
 def patched_root(model: Any) -> nn.Module:

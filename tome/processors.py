@@ -58,7 +58,7 @@ class _State:
         self._ids: tuple[Any, Any] = (None, None)  # (img_ids tensor, its grid)
         self.reuse = _attend.Reuse(config.reuse)
         self.hooks: _Hooks | None = None
-        self.removed = False           # removed while its call hook was held (``remove``)
+        self.removed = False           # removed while torch held its call hook
 
     def plan_for(self, index: int, kind: str) -> dit.DitPlan | None:
         """Block ``index``'s plan in this call: the schedule's factor for it now, or None."""
@@ -99,10 +99,10 @@ class _Hooks:
     def __init__(self, state: _State):
         self.state = state
 
-    def pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
+    def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         st = self.state
         st.plan = None
-        if st.removed:  # removed while torch held this call's hooks (``remove``)
+        if st.removed:  # removed while torch held this call's hooks (adapters.remove)
             return
         x, text, t = (_arg(args, kwargs, name, pos) for name, pos in st.layout.dit.call)
         if not isinstance(x, torch.Tensor):
@@ -401,7 +401,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     state = _State(config, report, layout)
     hooks = state.hooks = _Hooks(state)
     try:
-        state.handles.append(root.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
         for i, b in targets:
             _wrap(b.module, state, state.wrapped, i, b.kind)
@@ -413,44 +413,19 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     return report
 
 
-def _remove(state: _State, during_call: bool = False) -> None:
-    state.removed, state.plan = True, None
-    for i, h in enumerate(state.handles):
-        if during_call and i == 0:  # the call hook, registered first: inert until ``flush``
-            _parked.append(h)
-        else:
-            h.remove()
+def _remove(state: _State) -> None:
+    state.removed, state.plan = True, None  # a hook torch still holds for a call: inert
+    for h in state.handles:
+        h.remove()
     state.handles.clear()
     _unwrap(state.wrapped)
 
 
-_parked: list[Any] = []  # call hooks of patches removed during a call
-
-
-def remove(root: nn.Module, during_call: bool = False) -> bool:
-    """Remove a DiT patch from ``root``; whether there was one. ``during_call``: from inside
-    the transformer's own forward pre-hooks (a host that switches the setting per call):
-    torch holds that call's hooks and calls a keyword hook removed meanwhile without its
-    keywords, so the call hook stays, inert, until ``flush``."""
+def remove(root: nn.Module) -> bool:
+    """Remove a DiT patch from ``root``; whether there was one."""
     state = vars(root).get(STATE_ATTR)
     if not isinstance(state, _State):
         return False
-    _remove(state, during_call)
+    _remove(state)
     del vars(root)[STATE_ATTR]
-    return True
-
-
-def flush() -> None:
-    """Remove the inert call hooks ``remove(during_call=True)`` left; outside any call."""
-    while _parked:
-        _parked.pop().remove()
-
-
-def begin_call(root: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Start the current call on a DiT patch applied inside that call's own pre-hooks;
-    whether ``root`` carries one."""
-    state = vars(root).get(STATE_ATTR)
-    if not isinstance(state, _State) or state.hooks is None:
-        return False
-    state.hooks.pre(root, args, kwargs)
     return True
