@@ -154,24 +154,28 @@ class DitAttn1Patch:
     the grid comes from the latent under ``LATENT_KEY`` (image tokens past it, e.g. Kontext's
     reference latents, stay whole), else from a square image token count."""
 
-    def __init__(self, config: ToMeConfig, layout: _layout.Layout, window: Window | None = None):
+    def __init__(self, config: ToMeConfig, layout: _layout.Layout, unet_patcher: Any = None):
         self.config, self.dit = config, layout.dit
         self.method = dit.method_for(config)
-        self.planner = Planner(config, layout.dit.patch, None, [layout.dit.patch],
-                               method=self.method, window=window)
-        self.doubles = sum(b.kind == "double" for b in layout.blocks)
-        # The schedule's factor per block (ignoring its per-item windows: this form sees
-        # sigmas, and the planner's window is start/end). Proportional attention and residual
-        # reuse need the kernel's inputs and output: the form hands back q, k, v only, so a
-        # preset's DiT point is its point without reuse (``config.without_reuse``).
+        # What this form applies: proportional attention and residual reuse need the kernel's
+        # inputs and output, and the form hands back q, k, v only, so a preset's DiT point is
+        # its point without reuse (``config.without_reuse``), unbiased; ``limits`` names what
+        # is left out. The schedule gives each block its factor (its per-item windows are not
+        # applied: the planner's window, in the host's sigmas, is the schedule's whole span).
         from .config import without_reuse
-        schedule, n = dit.schedule_of(without_reuse(config)), len(layout.blocks)
+        self.applied = without_reuse(config).replace(proportional=False)
+        schedule, n = dit.schedule_of(self.applied), len(layout.blocks)
         self.factors = {i: schedule.factor(i, b.kind, n, None)
                         for i, b in enumerate(layout.blocks)}
         self.chosen = {i for i, f in self.factors.items() if f}
         self.limits = [x for x, on in (("proportional attention", config.proportional),
                                        ("residual reuse", config.reuse),
                                        ("per-step schedule windows", schedule.varies())) if on]
+        start, end = schedule.window()
+        window = window_of(unet_patcher, config.replace(start=start, end=end), flow=True)
+        self.planner = Planner(config, layout.dit.patch, None, [layout.dit.patch],
+                               method=self.method, window=window)
+        self.doubles = sum(b.kind == "double" for b in layout.blocks)
         self.skipped: list[tuple[Any, str]] = []
         self.first: Any = None
         self.call: Call | None = None
@@ -227,8 +231,11 @@ class DitAttn1Patch:
         if plan is None:
             return {}
         f = self.factors[position]
-        if f != plan.factor:
-            plan = self.call.plans.setdefault(("factor", f, h, w), plan.with_factor(f))
+        if f != plan.factor:  # built once per call and factor, shared by its blocks
+            key = ("factor", f, h, w)
+            if key not in self.call.plans:
+                self.call.plans[key] = plan.with_factor(f)
+            plan = self.call.plans[key]
         start = int(span[0])
         if pe is None:
             return {"k": plan.pool(k, start, 2), "v": plan.pool(v, start, 2)}
@@ -413,24 +420,16 @@ def patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     """ComfyUI's DiT call form (``adapters.patch_model_patcher`` chooses it): one
     ``DitAttn1Patch`` on a clone. The auto policy decides by the device kind's token
     thresholds here (a DiT block is not timed through this contract)."""
-    method = dit.method_for(config)
-    from .config import without_reuse
-    schedule, n = dit.schedule_of(without_reuse(config)), len(layout.blocks)
-    chosen = [b for i, b in enumerate(layout.blocks) if schedule.factor(i, b.kind, n, None)]
-    p = layout.dit.patch
+    patch = DitAttn1Patch(config, layout, unet_patcher)
+    p, chosen = layout.dit.patch, patch.chosen
     report = PatchReport.of(layout, config, ATTN1_PATCH, max_downsample=p,
-                            levels={p: len(chosen)} if chosen and method else {})
+                            levels={p: len(chosen)} if chosen and patch.method else {})
     if report.unmergeable is None and not chosen:
         report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
                               f"has {len(layout.blocks)}, double-stream first)")
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()
-    # The planner's window is the schedule's (a preset's DiT point may start late); windows
-    # that differ per item are not applied here (``DitAttn1Patch.limits``).
-    start, end = schedule.window()
-    window = window_of(unet_patcher, config.replace(start=start, end=end), flow=True)
-    patch = DitAttn1Patch(config, layout, window)
     report.skipped, report.planner = patch.skipped, patch.planner
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import adapters, patcher, policy
-from ..config import ToMeConfig, resolved, without_reuse
+from ..config import ToMeConfig, resolved
 from ..layout import UnsupportedModelError
 from . import host, inputs, measure_node
 
@@ -137,12 +137,9 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
     say(report.summary())
-    limits = getattr(guard.patch, "limits", None)
     if report.kind == "DiT":  # what the settings resolved to here, and what this form lacks
-        here = without_reuse(config)
-        if "proportional attention" in (limits or ()):
-            here = here.replace(proportional=False)
-        say(f"ToMe DiT: {resolved(here, report.kind, report.rope)}"
+        limits = guard.patch.limits
+        say(f"ToMe DiT: {resolved(guard.patch.applied, report.kind, report.rope)}"
             + (f" (this ComfyUI form cannot apply: {', '.join(limits)})" if limits else ""))
     return clone
 
