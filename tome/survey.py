@@ -108,33 +108,23 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
     None where its contract cannot time this model: every size is then ``not_timed``)."""
     out = Survey()
     base = base or ToMeConfig(policy="auto")
+    layout = read(model)
     for name in methods.names():
         cfg = base.replace(method=name)
+        # nothing to time (merge has no DiT form; a contract that cannot time the model)
+        skip = not_timed if runner is None else layout.unmergeable(cfg)
         for px in sizes:
-            if runner is None:
-                out.missed.append((name, px, not_timed))
-                continue
-            if _not_mergeable(model, cfg):  # nothing to time: said in the table, not measured
-                out.missed.append((name, px, _not_mergeable(model, cfg)))
+            if skip:
+                out.missed.append((name, px, skip))
                 continue
             m = service.get(model, (px // 8, px // 8), BATCH, cfg, device=device, runner=runner)
             if m is None:
                 out.missed.append((name, px, service.reason or "not measured"))
             elif not m.rows:
-                out.missed.append((name, px, _why_empty(model, cfg)))
+                out.missed.append((name, px, f"no block of this model is merged by {name}"))
             else:
                 out.found.append(m)
     return out
-
-
-def _not_mergeable(model: Any, cfg: ToMeConfig) -> str | None:
-    """Why `cfg` merges nothing on this model (merge has no DiT form), or None."""
-    return read(model).unmergeable(cfg)
-
-
-def _why_empty(model: Any, cfg: ToMeConfig) -> str:
-    """Why a measurement has no row."""
-    return _not_mergeable(model, cfg) or f"no block of this model is merged by {cfg.method}"
 
 
 def cache_file(folder: str | os.PathLike | None) -> Path:
