@@ -45,7 +45,7 @@ class Generation:
     voice: narrate.Voice = field(default_factory=narrate.Voice)
     # The passes' patch reports: the ModelPatcher adapter learns skipped blocks while sampling.
     reports: list[PatchReport] = field(default_factory=list, repr=False)
-    windows: dict[str, PatchReport] = field(default_factory=dict, repr=False)  # pass -> report
+    windows: dict[str, Any] = field(default_factory=dict, repr=False)  # pass -> plan.Window
     routed: dict[int, str] = field(default_factory=dict, repr=False)  # SD.Next: UNet -> pass
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
 
@@ -129,7 +129,7 @@ def after_batch(p: Any) -> None:
     gen: Generation | None = getattr(p, GEN_ATTR, None)
     if gen is not None:
         _skips(p, gen)
-        gen.voice.window_steps(p, {name: r.planner.window for name, r in gen.windows.items()})
+        gen.voice.window_steps(p, gen.windows)
 
 
 def after_generation(p: Any) -> None:
@@ -272,8 +272,8 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     _patched.add(model)
     if report not in gen.reports:
         gen.reports.append(report)
-    if cfg.start > 0 or cfg.end < 1:
-        gen.windows[name] = report
+    if not report.planner.window.full:
+        gen.windows[name] = report.planner.window
     _skips(p, gen)
     seeded = methods.get(cfg.method).seeded(cfg)
     kind = host.model_kind(model) if kind is None else kind  # SD.Next: the pipeline's flags
