@@ -112,7 +112,8 @@ class WebUI:
         import tome
 
         report = tome.patch_report(model)
-        tomesd = any(type(m).__name__ == "ToMeBlock" for m in model.modules())
+        modules = getattr(model, "modules", None)  # Forge Neo's engine is no torch module
+        tomesd = callable(modules) and any(type(m).__name__ == "ToMeBlock" for m in modules())
         self.calls.append(Call(bool(getattr(p, "is_hr_pass", False)), model,
                                report.config if report else None, tomesd))
 

@@ -96,6 +96,9 @@ class StableDiffusionProcessing:
                           for s in self.seeds])
 
     def denoise(self, x, steps, t_from=999.0):
+        if hasattr(shared.sd_model, "forge_objects_original"):  # Forge Neo: its own sampler
+            import neo
+            return neo.denoise(self, x, steps, self.neo_step)
         batch = x.shape[0]
         cond, uncond = self.conds(batch)
         denoiser = SimpleNamespace(p=self)
@@ -121,6 +124,26 @@ class StableDiffusionProcessing:
         return x
 
 
+    def neo_step(self, i):
+        """Forge Neo's sampler, before step ``i`` (None: before sampling): the WebUI's per-step
+        callbacks; the model to call now."""
+        if i is not None:
+            params = script_callbacks.CFGDenoiserParams(None, None, None, i, self.steps, None,
+                                                        None, denoiser=SimpleNamespace(p=self))
+            script_callbacks.cfg_denoiser_callback(params)
+            if getattr(self, "fail_at_step", None) == (bool(getattr(self, "is_hr_pass", 0)), i):
+                raise RuntimeError("simulated failure during sampling")
+            for observe in unet_call_observers:
+                observe(self, shared.sd_model)
+        return shared.sd_model
+
+    def latent_shape(self):
+        latent = getattr(self.sd_model, "latent_shape", None)  # Forge Neo: per model kind
+        if latent is not None:
+            return (1, *latent(self.height, self.width))
+        return (1, 4, self.height // 8, self.width // 8)
+
+
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
     def __init__(self, enable_hr=False, hr_scale=2.0, denoising_strength=0.5,
                  hr_second_pass_steps=0, firstpass_image=None, **kwargs):
@@ -139,9 +162,10 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
             self.hr_upscale_to_y = int(self.height * self.hr_scale)
 
     def sample(self):
-        shape = (1, 4, self.height // 8, self.width // 8)
+        shape = self.latent_shape()
         if self.firstpass_image is None:
             x = self.noise(shape)
+            reset_forge_objects(self.sd_model)
             if self.scripts is not None:
                 self.scripts.process_before_every_sampling(self, x=x, noise=x, c=None, uc=None)
             samples = self.denoise(x, self.steps)
@@ -161,6 +185,7 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         sd_models.apply_token_merging(self.sd_model, self.get_token_merging_ratio(for_hr=True))
         if self.scripts is not None:
             self.scripts.before_hr(self)
+            reset_forge_objects(self.sd_model)
             self.scripts.process_before_every_sampling(self, x=x, noise=noise, c=None, uc=None)
         out = self.denoise(x, self.hr_second_pass_steps or self.steps,
                            t_from=999.0 * self.denoising_strength)
@@ -183,13 +208,22 @@ class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
     def sample(self):
         init = self.init_images
         if init is None:
-            init = torch.zeros(1, 4, self.height // 8, self.width // 8)
+            init = torch.zeros(self.latent_shape())
         init = init.expand(len(self.seeds), -1, -1, -1)
         noise = self.noise((1, *init.shape[1:]))
+        reset_forge_objects(self.sd_model)
         if self.scripts is not None:
             self.scripts.process_before_every_sampling(self, x=init, noise=noise, c=None, uc=None)
         x = init + noise * self.denoising_strength
         return self.denoise(x, self.steps, t_from=999.0 * self.denoising_strength)
+
+
+def reset_forge_objects(model):
+    """Forge Neo, right before ``process_before_every_sampling``: the job's UNet patcher again
+    (``forge_objects_after_applying_lora``), so a clone patched for one pass never outlives it."""
+    after = getattr(model, "forge_objects_after_applying_lora", None)
+    if after is not None:
+        model.forge_objects = after.shallow_copy()
 
 
 class Processed:
