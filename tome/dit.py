@@ -19,8 +19,10 @@ inside attention, so a pooled key needs a position. ``rope`` chooses how:
 
 ``docs/quality.md`` measures which keeps the image closer. This module is pure tensor code:
 the adapters (``processors.py`` for diffusers, ``patcher.py`` for ComfyUI's DiT patch form)
-say where the image tokens sit in the joint sequence (``start``), the grid (``h x w``) and
-which layout the tensors have (``dim``: the sequence dimension).
+say where the image tokens sit in the joint sequence (``start``), the grid (``frames x h x
+w``, frame-major; an image is one frame) and which layout the tensors have (``dim``: the
+sequence dimension). A video's cells are spatial within each frame by default; ``temporal``
+pools pairs (or more) of frames too, for measuring whether that keeps the video.
 """
 
 from __future__ import annotations
@@ -38,72 +40,85 @@ BLOCKS_HELP = "all, double (double-stream / joint blocks only) or a range of blo
 
 
 # ----------------------------------------------------------------------------- pooling
+# A grid is ``frames x h x w`` tokens laid out frame-major (``[frame][row][col]``, as video
+# DiTs flatten them; an image is one frame). Cells are ``factor x factor`` within a frame and
+# span ``temporal`` frames (1: each frame pooled on its own; 2: pairs of frames, ``2x2x2``).
 
-def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int) -> torch.Tensor:
-    """``x`` with its ``h*w`` image tokens at ``[start, start + h*w)`` along ``dim`` replaced by
-    their ``factor x factor`` cell means (``ceil(h/f) * ceil(w/f)`` tokens; a partial cell at
-    the edge averages the tokens it has). Tokens before and after the span are kept as they
-    are. One pooling op plus reshapes and a concatenation; shapes depend only on the grid.
-    Factor 1 is the identity (bit for bit)."""
-    if factor == 1:
+def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int,
+              frames: int = 1, temporal: int = 1) -> torch.Tensor:
+    """``x`` with its ``frames*h*w`` image tokens at ``[start, start + frames*h*w)`` along
+    ``dim`` replaced by their cell means (``pooled_tokens`` of them; a partial cell at an edge
+    averages the tokens it has). Tokens before and after the span are kept as they are. One
+    pooling op plus reshapes and a concatenation; shapes depend only on the grid. Factor 1
+    with temporal 1 is the identity (bit for bit)."""
+    if factor == 1 and temporal == 1:
         return x
-    n = h * w
+    n = frames * h * w
     img = x.narrow(dim, start, n)
     lead, trail = img.shape[:dim], img.shape[dim + 1:]
-    grid = img.reshape(math.prod(lead), h, w, math.prod(trail)).permute(0, 3, 1, 2)
-    pooled = F.avg_pool2d(grid, factor, ceil_mode=True)
-    h2, w2 = pooled.shape[-2:]
-    pooled = pooled.permute(0, 2, 3, 1).reshape(*lead, h2 * w2, *trail)
+    b, c = math.prod(lead), math.prod(trail)
+    if temporal == 1:  # frames ride in the batch: an image's ops, once per frame
+        grid = img.reshape(b * frames, h, w, c).permute(0, 3, 1, 2)
+        pooled = F.avg_pool2d(grid, factor, ceil_mode=True).permute(0, 2, 3, 1)
+    else:
+        grid = img.reshape(b, frames, h, w, c).permute(0, 4, 1, 2, 3)
+        pooled = F.avg_pool3d(grid, (temporal, factor, factor), ceil_mode=True)
+        pooled = pooled.permute(0, 2, 3, 4, 1)
+    pooled = pooled.reshape(*lead, pooled_tokens(h, w, factor, frames, temporal), *trail)
     parts = [x.narrow(dim, 0, start), pooled, x.narrow(dim, start + n, x.shape[dim] - start - n)]
     return torch.cat([p for p in parts if p.shape[dim]], dim)
 
 
-def pooled_tokens(h: int, w: int, factor: int) -> int:
-    """Image keys left after pooling an ``h x w`` grid by ``factor``."""
-    return math.ceil(h / factor) * math.ceil(w / factor)
+def pooled_tokens(h: int, w: int, factor: int, frames: int = 1, temporal: int = 1) -> int:
+    """Image keys left after pooling a ``frames x h x w`` grid by ``factor`` (and
+    ``temporal``)."""
+    return (math.ceil(frames / temporal) * math.ceil(h / factor) * math.ceil(w / factor))
 
 
 def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, start: int, h: int, w: int,
-                 factor: int, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 factor: int, dim: int = 0, frames: int = 1, temporal: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled positions for diffusers' ``(cos, sin)`` embedding ([S, D]): each cell's mean
     rotation, normalised back to a rotation (the rotation by the cell's mean angle)."""
-    if factor == 1:
+    if factor == 1 and temporal == 1:
         return cos, sin
-    c = pool_span(cos.float(), start, h, w, factor, dim)
-    s = pool_span(sin.float(), start, h, w, factor, dim)
+    c = pool_span(cos.float(), start, h, w, factor, dim, frames, temporal)
+    s = pool_span(sin.float(), start, h, w, factor, dim, frames, temporal)
     r = torch.sqrt(c * c + s * s).clamp_min(1e-12)
     return (c / r).to(cos.dtype), (s / r).to(sin.dtype)
 
 
 def pool_rotations(pe: torch.Tensor, start: int, h: int, w: int, factor: int,
-                   dim: int = 2) -> torch.Tensor:
+                   dim: int = 2, frames: int = 1, temporal: int = 1) -> torch.Tensor:
     """Pooled positions for ComfyUI's RoPE (``[..., S, D/2, 2, 2]`` rotation matrices): each
     cell's mean matrix divided by its scale (``sqrt(det)``), a rotation again."""
-    if factor == 1:
+    if factor == 1 and temporal == 1:
         return pe
-    m = pool_span(pe.float(), start, h, w, factor, dim)
+    m = pool_span(pe.float(), start, h, w, factor, dim, frames, temporal)
     r = torch.sqrt(m[..., 0, 0] ** 2 + m[..., 1, 0] ** 2).clamp_min(1e-12)
     return (m / r[..., None, None]).to(pe.dtype)
 
 
-def cell_counts(h: int, w: int, factor: int) -> list[int]:
-    """Tokens in each ``factor x factor`` cell of an ``h x w`` grid, in the pooled order
-    (``factor**2`` for full cells, fewer in partial cells at the right and bottom edges)."""
+def cell_counts(h: int, w: int, factor: int, frames: int = 1, temporal: int = 1) -> list[int]:
+    """Tokens in each cell of a ``frames x h x w`` grid, in the pooled order (``temporal *
+    factor**2`` for full cells, fewer in partial cells at the right, bottom and last frames)."""
+    spans = [min(temporal, frames - t) for t in range(0, frames, temporal)]
     rows = [min(factor, h - i) for i in range(0, h, factor)]
     cols = [min(factor, w - j) for j in range(0, w, factor)]
-    return [r * c for r in rows for c in cols]
+    return [s * r * c for s in spans for r in rows for c in cols]
 
 
 def key_bias(start: int, total: int, h: int, w: int, factor: int, device: Any,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+             dtype: torch.dtype = torch.float32, frames: int = 1, temporal: int = 1
+             ) -> torch.Tensor:
     """Proportional attention: the additive logit bias of each key ([S'] for the pooled
-    sequence of ``total`` keys with the image's ``h*w`` at ``start``): ``log(tokens in the
-    cell)`` on pooled image keys, 0 on every other key. A pooled key stands for its whole cell;
-    softmax would count it once, so against keys that are not pooled (a DiT's text, a partial
-    edge cell) the image would lose attention mass ``factor**2``-fold. Built from Python ints
-    (no device read), once per call."""
-    logs = [math.log(n) for n in cell_counts(h, w, factor)]
-    rest = total - start - h * w
+    sequence of ``total`` keys with the image's ``frames*h*w`` at ``start``): ``log(tokens in
+    the cell)`` on pooled image keys, 0 on every other key. A pooled key stands for its whole
+    cell; softmax would count it once, so against keys that are not pooled (a DiT's text, a
+    partial edge cell) the image would lose attention mass ``factor**2``-fold. Built from
+    Python ints (no device read), once per call."""
+    logs = [math.log(n) for n in cell_counts(h, w, factor, frames, temporal)]
+    rest = total - start - frames * h * w
     return torch.tensor([0.0] * start + logs + [0.0] * rest, device=device, dtype=dtype)
 
 
@@ -119,27 +134,63 @@ def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the method
 
 class DitPlan:
-    """Pooling for one DiT call: the image grid, the factor, the RoPE option and whether
-    pooled keys get the proportional-attention bias."""
+    """Pooling for one DiT call: the image grid (``frames x h x w``, frame-major; an image is
+    one frame), the factor per side within a frame, the temporal factor (frames per cell: 1
+    pools each frame on its own), the RoPE option and whether pooled keys get the
+    proportional-attention bias."""
 
-    __slots__ = ("h", "w", "factor", "rope", "proportional", "_positions", "_bias")
+    __slots__ = ("h", "w", "factor", "rope", "proportional", "frames", "temporal",
+                 "_positions", "_bias")
 
-    def __init__(self, h: int, w: int, factor: int, rope: str, proportional: bool = False):
+    def __init__(self, h: int, w: int, factor: int, rope: str, proportional: bool = False,
+                 frames: int = 1, temporal: int = 1):
         self.h, self.w, self.factor, self.rope = h, w, factor, rope
         self.proportional = proportional
+        self.frames, self.temporal = frames, temporal
         self._positions: tuple[Any, Any] = (None, None)
         self._bias: tuple[Any, Any] = (None, None)
 
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """``(frames, h, w)`` of the image tokens."""
+        return self.frames, self.h, self.w
+
+    @property
+    def tokens(self) -> int:
+        """Image tokens before pooling (the span ``pool`` replaces)."""
+        return self.frames * self.h * self.w
+
+    @property
+    def pooled(self) -> int:
+        """Image keys after pooling."""
+        return pooled_tokens(self.h, self.w, self.factor, self.frames, self.temporal)
+
     def pool(self, x: torch.Tensor, start: int, dim: int) -> torch.Tensor:
-        return pool_span(x, start, self.h, self.w, self.factor, dim)
+        return pool_span(x, start, self.h, self.w, self.factor, dim, self.frames, self.temporal)
+
+    def cos_sin(self, emb: tuple[torch.Tensor, torch.Tensor], start: int, dim: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pool_cos_sin`` of diffusers' ``(cos, sin)`` on this plan's grid."""
+        return pool_cos_sin(emb[0], emb[1], start, self.h, self.w, self.factor, dim,
+                            self.frames, self.temporal)
+
+    def rotations(self, pe: torch.Tensor, start: int, dim: int = 2) -> torch.Tensor:
+        """``pool_rotations`` of ComfyUI's rotation matrices on this plan's grid."""
+        return pool_rotations(pe, start, self.h, self.w, self.factor, dim, self.frames,
+                              self.temporal)
 
     def with_factor(self, factor: int) -> DitPlan:
-        return DitPlan(self.h, self.w, factor, self.rope, self.proportional)
+        return DitPlan(self.h, self.w, factor, self.rope, self.proportional, self.frames,
+                       self.temporal)
 
     @property
     def biased(self) -> bool:
-        """Whether this plan's pooled keys get the proportional bias (factor 1 pools nothing)."""
-        return self.proportional and self.factor > 1
+        """Whether this plan's pooled keys get the proportional bias (nothing pooled: no)."""
+        return self.proportional and (self.factor > 1 or self.temporal > 1)
+
+    def _key_bias(self, start: int, total: int, device: Any) -> torch.Tensor:
+        return key_bias(start, total, self.h, self.w, self.factor, device,
+                        frames=self.frames, temporal=self.temporal)
 
     def bias(self, start: int, total: int, device: Any) -> torch.Tensor | None:
         """``key_bias`` for a sequence of ``total`` keys (None without ``proportional``), built
@@ -147,10 +198,10 @@ class DitPlan:
         if not self.biased:
             return None
         if merge.compiling():
-            return key_bias(start, total, self.h, self.w, self.factor, device)
+            return self._key_bias(start, total, device)
         key = (start, total, str(device))
         if self._bias[0] != key:
-            self._bias = (key, key_bias(start, total, self.h, self.w, self.factor, device))
+            self._bias = (key, self._key_bias(start, total, device))
         return self._bias[1]
 
     def keys(self, k: torch.Tensor, start: int, dim: int, emb: Any, rotate: Any,
