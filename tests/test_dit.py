@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tome
 from tome import dit, layout, measure, memory, processors
 from tome.config import ToMeConfig
+from tome.dits import sd3 as sd3_family
 from tome.measurements import MeasurementCache, Measurer
 
 diffusers = pytest.importorskip("diffusers")
@@ -127,7 +128,7 @@ def test_joint_attention_matches_a_hand_written_reference(flux, rope):
     hs, ehs = torch.randn(2, H * W, 32, generator=g), torch.randn(2, T, 32, generator=g)
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()])) if rope else None
     plan = dit.DitPlan(H, W, f, rope or "pooled")
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T), True)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
     with torch.no_grad():
         out, ctx_out = wrapper(attn, hs, ehs, None, emb)
 
@@ -308,7 +309,7 @@ def test_pooling_adds_few_ops_and_no_host_sync(flux):
     counts = {}
     for rope in ("before", "pooled"):
         wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
-            dit.DitPlan(H, W, 2, rope), T), True)
+            dit.DitPlan(H, W, 2, rope), T))
         with torch.no_grad():
             wrapper(attn, hs, ehs, None, emb)  # the call's first block pools the positions
             with _Ops() as mode:
@@ -326,7 +327,7 @@ def test_pooled_attention_compiles_in_one_graph(flux):
     attn = flux.transformer_blocks[0].attn
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
     wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
-        dit.DitPlan(H, W, 2, "pooled"), T), True)
+        dit.DitPlan(H, W, 2, "pooled"), T))
     compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb),
                         torch.randn(2, H * W, 32), torch.randn(2, T, 32))
 
@@ -446,7 +447,7 @@ def test_sdpa_reference_for_sd3_joint_attention(sd3):
     hs, ehs = torch.randn(2, H * W, 16, generator=g), torch.randn(2, T, 16, generator=g)
     plan = dit.DitPlan(H, W, 2, "pooled")
     with torch.no_grad():
-        out, ctx = processors._joint(attn, plan, hs, ehs)
+        out, ctx = sd3_family.joint(attn, plan, hs, ehs)
 
         def heads(x):
             return x.view(2, -1, attn.heads, 8).transpose(1, 2)

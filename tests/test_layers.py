@@ -20,6 +20,7 @@ LAYERS = [
     ("tome.methods",),
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
     ("tome.attend",),   # attention over pooled keys: the bias per kernel, residual reuse
+    ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),

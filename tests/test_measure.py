@@ -22,6 +22,12 @@ from tome.layout import read as read_layout
 from tome.patch import run_block
 from tome.plan import Planner
 
+
+def level_of(model):
+    """Every block's level, in the UNet's order."""
+    return {b.module: b.level for b in read_layout(model).blocks}
+
+
 LATENT = (16, 16)
 
 
@@ -92,7 +98,7 @@ def test_a_block_another_extension_took_over_stands_for_nothing(sd15):
     """ControlNet reference / SAG replace forwards on instances: measuring uses the first block
     left alone; a level with none left gets no row (the thresholds decide it)."""
     by_level: dict[int, list] = {}
-    for b, lv in read_layout(sd15).level_of.items():
+    for b, lv in level_of(sd15).items():
         by_level.setdefault(lv, []).append(b)
 
     def taken(*args, **kwargs):
@@ -186,7 +192,7 @@ def test_measuring_leaves_the_model_bit_identical(family):
     before = run()
     weights = {k: v.clone() for k, v in unet.state_dict().items()}
     hooks = _hooks(unet)
-    first = next(iter(read_layout(unet).level_of))
+    first = next(iter(level_of(unet)))
     unet.train()
     first.attn1.eval()  # a mixed pattern of flags, restored exactly
     flags = {n: m.training for n, m in unet.named_modules()}
@@ -212,7 +218,7 @@ def test_merged_run_is_what_the_patch_runs(family, method):
     """The representative block run by ``patch.run_block`` gives the output the patched UNet's
     block gives for the same input."""
     unet = ldm_unet(TINY_SD15) if family == "ldm" else diffusers_unet("sd15")
-    block = next(iter(read_layout(unet).level_of))
+    block = next(iter(level_of(unet)))
     config = ToMeConfig(method=method, use_rand=False, merge_crossattn=True, max_downsample=1)
     seen = {}
 

@@ -409,7 +409,7 @@ def test_self_attention_guidance_block_is_left_alone_with_one_line(webui, capsys
     from tome.layout import read as read_layout
 
     unet = shared.sd_model.model.diffusion_model
-    middle = next(b for b, ds in read_layout(unet).level_of.items() if ds == 8)
+    middle = next(b.module for b in read_layout(unet).blocks if b.level == 8)
     seen = []
     original = middle.attn1.forward
 

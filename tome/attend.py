@@ -3,14 +3,15 @@ on each kernel path, and residual reuse.
 
 - The bias (``dit.key_bias``: ``log(cell size)`` on pooled image keys, 0 elsewhere) goes to
   PyTorch's SDPA as an additive ``[1, 1, 1, S]`` mask (``sdpa``), or, for kernels that take
-  no mask (flash-attn and the like behind diffusers' dispatcher, A1111's joint attention), as
-  one extra query/key channel (``count_channel``). ``python -m tome.lab.dit_bias_bench``
-  times both (docs/quality.md#dit).
+  no mask (flash-attn and the like behind diffusers' dispatcher, a host's own joint
+  attention), as one extra query/key channel (``count_channel``).
+  ``python -m tome.lab.dit_bias_bench`` times both (docs/quality.md#dit).
 - ``Reuse``: every N steps a pooled block also runs unpooled and keeps ``full - pooled``,
   added to the pooled output on the steps between.
 
 ``attend`` puts pooling, positions, bias and reuse together around any kernel
-``kernel(q, k, v, bias)``.
+``kernel(q, k, v, bias)``; ``dispatch`` is diffusers' kernel per backend. The DiT families'
+maths (``tome/dits/``) call these; none of them is here.
 """
 
 from __future__ import annotations
@@ -101,75 +102,6 @@ class Reuse:
             slope = (r - kept[0]) / float(self.step - kept[2])
         self.kept[key] = (r, slope, self.step)
         return f
-
-
-class PreAttention:
-    """A1111's MMDiT (SD3): a block's ``attn.pre_attention`` (q, k, v as [B, S, heads * D],
-    before the block joins text and image), shadowed on the instance; the image block's
-    (``image``) pools k and v (no RoPE in SD3). The joint kernel takes no mask: the bias rides
-    on ``count_channel``'s extra channel in both blocks' q, k, v (text keys 0), which
-    ``PostAttention`` drops. With residual reuse both keep their unpooled q, k, v in the
-    block's ``shared`` dict for ``PostAttention``'s refresh. Removal deletes the instance
-    attributes."""
-
-    def __init__(self, original: Any, source: Any, index: int, kind: str, image: bool,
-                 heads: int, shared: dict):
-        self.original, self.source, self.index, self.kind = original, source, index, kind
-        self.image, self.heads, self.shared = image, heads, shared
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        q, k, v = self.original(x)
-        plan = self.source.plan_for(self.index, self.kind)
-        if plan is None:
-            return q, k, v
-        if self.source.reuse.every:
-            self.shared["image" if self.image else "text"] = (q, k, v)
-        n = k.shape[1]
-        pooled = self.image and n == plan.h * plan.w
-        if pooled:
-            k, v = plan.pool(k, 0, 1), plan.pool(v, 0, 1)
-        if not plan.biased:
-            return q, k, v
-        bias = plan.bias(0, n, k.device) if pooled else k.new_zeros(k.shape[1], dtype=torch.float)
-        d = self.shared["d"] = q.shape[-1] // self.heads
-        q, k, v = count_channel(*(t.unflatten(-1, (self.heads, d)) for t in (q, k, v)),
-                                bias, 1, channel_width(d) ** -0.5)
-        return q.flatten(2), k.flatten(2), v.flatten(2)
-
-
-class PostAttention:
-    """The other half of ``PreAttention``: the kernel's output (this block's part) without the
-    extra channels, plus the kept residual where the patch reuses residuals (a refresh runs
-    the joint attention unpooled here, once per block call, from the kept q, k, v)."""
-
-    def __init__(self, original: Any, source: Any, index: int, kind: str, image: bool,
-                 heads: int, shared: dict):
-        self.original, self.source, self.index, self.kind = original, source, index, kind
-        self.image, self.heads, self.shared = image, heads, shared
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        plan = self.source.plan_for(self.index, self.kind)
-        if plan is not None and plan.biased:
-            x = x.unflatten(-1, (self.heads, -1))[..., :self.shared["d"]].flatten(2)
-        src = self.source
-        if plan is not None and src.reuse.every and src.p is not None \
-                and not merge.compiling() and "image" in self.shared:
-            x = src.reuse.apply((self.index, id(self), plan.factor), x, self._full)
-        if self.image:  # the block's last call: nothing kept past it
-            for key in ("text", "image", "full"):
-                self.shared.pop(key, None)
-        return self.original(x)
-
-    def _full(self) -> torch.Tensor:
-        """This part of the unpooled joint attention ([text, image], as A1111's kernel)."""
-        (tq, tk, tv), (iq, ik, iv) = self.shared["text"], self.shared["image"]
-        if self.shared.get("full") is None or self.shared["full"][0] is not iq:
-            q, k, v = (torch.cat(p, 1).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-                       for p in ((tq, iq), (tk, ik), (tv, iv)))
-            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-            self.shared["full"] = (iq, out)
-        out = self.shared["full"][1]
-        return out[:, tq.shape[1]:] if self.image else out[:, :tq.shape[1]]
 
 
 def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,

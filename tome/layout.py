@@ -4,19 +4,21 @@ measurement need to know of a model, and a reader per family produces it.
 A ``Layout`` lists the model's transformer blocks, each with its level (its tokens form the
 latent grid downsampled by that factor), its side (encoder or decoder) and its name, plus the
 keyword its sub-layers take the context by, the family's name and, for a DiT, its facts
-(``Dit``: patch size, where the text sits, RoPE, how it is called). Readers:
+(``dits.Dit``: patch size, where the text sits, RoPE). The UNet readers are here:
 
 - ``read_ldm``: a UNet with ``input_blocks`` / ``middle_block`` / ``output_blocks``: ldm
   (SD1/SD2), sgm (SDXL), and the UNet behind a ModelPatcher (the Forge family's and ComfyUI's
   own copies of that code);
 - ``read_diffusers``: a UNet with ``down_blocks`` / ``mid_block`` / ``up_blocks``;
-- DiTs: diffusers' Flux and SD3/SD3.5 (``read_flux``, ``read_sd3``), A1111 1.10's SD3
-  (``read_mmdit``), ComfyUI's Flux and Qwen-Image (``read_comfy_flux``, ``read_comfy_qwen``).
+
+and the DiT readers are the families' (``tome/dits/``: diffusers Flux and SD3, A1111's SD3,
+ComfyUI's Flux and Qwen-Image), found through their registry. What differs between a UNet
+and a DiT for the rest of the library (the method a config runs, why it merges nothing, what
+measuring times) is asked of ``Layout.facts``: ``Unet`` here, ``dits.Dit`` there.
 
 ``read(model)`` finds the denoiser in whatever it is given (an ldm/sgm model, a diffusers
 pipeline, a bare UNet or DiT, a ModelPatcher's ``diffusion_model``), picks the reader, and owns
-the one "not supported" message. Adding a model family is adding a reader
-(``docs/development.md``). Structure only: nothing here changes a model.
+the one "not supported" message. Structure only: nothing here changes a model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from . import dits, methods
+from .dits import Dit
 
 BLOCK_CLASS = "BasicTransformerBlock"
 # The denoiser inside a model: diffusers pipelines (``unet``, ``transformer``), ldm/sgm models
@@ -61,45 +66,54 @@ class Block:
     kind: str = "unet"   # DiTs: "double" (double-stream / joint) or "single" (single-stream)
 
 
-@dataclass(frozen=True)
-class Dit:
-    """What a DiT adds to its blocks: where its image tokens are and how its calls look."""
+class Unet:
+    """What a UNet is to the rest of the library (``Layout.facts``; a DiT's is ``dits.Dit``):
+    the config's method, merging levels up to ``max_downsample``, one timed block per level."""
 
-    patch: int              # latent pixels per token side: the DiT's one level
-    text_first: bool        # the joint sequence is [text, image] (Flux) or [image, text] (SD3)
-    text_tokens: int        # the text length its pipelines use (what measuring feeds it)
-    timestep_scale: float   # its timestep times this is on the 0..1000 training scale
-    rope: bool              # rotary positions inside attention (Flux) or none (SD3)
-    # How the model is called: (name, position) of the latent or image tokens, the text
-    # and the timestep (diffusers' names; A1111's MMDiT takes ``x, t, context=``).
-    call: tuple[tuple[str, int], ...] = (("hidden_states", 0), ("encoder_hidden_states", 1),
-                                         ("timestep", 3))
+    kind = "UNet"  # what the report and the console call the model
+
+    def method(self, config: Any) -> methods.Method:
+        return methods.get(config.method)
+
+    def unmergeable(self, layout: Layout, config: Any) -> str | None:
+        return layout.nothing_to_merge(config.max_downsample)
+
+    def timed(self, layout: Layout, config: Any, levels: Iterable[int] | None
+              ) -> dict[int, list[list[nn.Module]]]:
+        by_level, chosen = layout.levels_to_measure(config, levels)
+        return {lv: [by_level[lv]] for lv in chosen}
+
+    def sub_layers(self, config: Any) -> tuple[str, ...]:
+        return methods.get(config.method).sub_layers(config)
+
+
+UNET = Unet()
 
 
 @dataclass(frozen=True)
 class Layout:
     """What a model is made of, for the planner, the adapters and the measurement."""
 
-    family: str                  # "ldm", "sgm", "diffusers", or the host package's name
+    family: str                  # "ldm", "sgm", "diffusers", or a DiT family's name
     root: nn.Module              # the UNet: where a patch keeps its state
     blocks: tuple[Block, ...]    # in the UNet's order: encoder, middle, decoder
     context_keyword: str         # the sub-layers' keyword for the context
-    dit: Dit | None = None       # set for DiTs (Flux, SD3): their blocks are pooled, not merged
+    dit: Dit | None = None       # set for DiTs: their blocks are pooled, not merged
+
+    @property
+    def facts(self) -> Unet | Dit:
+        """What this kind of model is to the library (``Unet`` or the DiT's ``dits.Dit``)."""
+        return self.dit or UNET
 
     @property
     def kind(self) -> str:
         """``"UNet"`` or ``"DiT"``: what the report and the console call the model."""
-        return "UNet" if self.dit is None else "DiT"
+        return self.facts.kind
 
     @property
     def levels(self) -> list[int]:
         """The levels that have transformer blocks, highest resolution first."""
         return sorted({b.level for b in self.blocks if b.level > 0})
-
-    @property
-    def level_of(self) -> dict[nn.Module, int]:
-        """Every block's level, in the UNet's order."""
-        return {b.module: b.level for b in self.blocks}
 
     def at(self, level: int) -> list[Block]:
         return [b for b in self.blocks if b.level == level]
@@ -110,10 +124,29 @@ class Layout:
     def unmergeable(self, config: Any) -> str | None:
         """Why ``config`` merges nothing on this model, or None: a method with no DiT form on
         a DiT, an explicit ``max_downsample`` above every UNet level."""
-        if self.dit is not None:
-            from .dit import method_for, no_form
-            return None if method_for(config) is not None else no_form(config, self.family)
-        return self.nothing_to_merge(config.max_downsample)
+        return self.facts.unmergeable(self, config)
+
+    def timed(self, config: Any, levels: Iterable[int] | None = None
+              ) -> dict[int, list[list[nn.Module]]]:
+        """What measuring ``config`` times: per level, the groups of blocks that share one
+        shape (one block stands for each group); ``levels``: the UNet levels asked for."""
+        return self.facts.timed(self, config, levels)
+
+    def levels_to_measure(self, config: Any, levels: Iterable[int] | None
+                          ) -> tuple[dict[int, list[nn.Module]], list[int]]:
+        """The blocks of each level, in the UNet's order, and the levels to measure:
+        ``levels``, or those with blocks up to the config's max downsample (auto: the first
+        with blocks)."""
+        by_level = {lv: [b.module for b in self.at(lv)] for lv in self.levels}
+        if levels is None:
+            max_ds = self.auto_level(config.max_downsample)
+            return by_level, [lv for lv in self.levels if lv <= max_ds]
+        chosen = sorted(set(levels))
+        missing = [lv for lv in chosen if lv not in by_level]
+        if missing:
+            raise ValueError(f"ToMe: no transformer blocks at level(s) {missing}; this UNet "
+                             f"has them at {sorted(by_level)}")
+        return by_level, chosen
 
     def nothing_to_merge(self, max_downsample: int | None) -> str | None:
         """Why an explicit ``max_downsample`` merges no block of this model, or None."""
@@ -145,11 +178,10 @@ def context_keyword(block: nn.Module) -> str:
 
 
 def attention(block: nn.Module) -> nn.Module:
-    """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks, the image
-    block's ``attn`` in A1111's MMDiT."""
-    found = getattr(block, "attn1", None) or getattr(block, "attn", None)
-    if found is None:
-        found = getattr(getattr(block, "x_block", None), "attn", None)
+    """The block's self-attention: ``attn1`` in UNet blocks, ``attn`` in DiT blocks, or where
+    a DiT family names it (``dits.attention``: the image block's in A1111's MMDiT)."""
+    found = getattr(block, "attn1", None) or getattr(block, "attn", None) \
+        or dits.attention(block)
     if found is None:  # e.g. ComfyUI's Flux blocks (img_attn, txt_attn): not timed this way
         raise UnsupportedModelError(f"ToMe: {type(block).__name__} has no attention module "
                                     "this version can time")
@@ -163,7 +195,7 @@ def channels(block: nn.Module) -> int:
     if shape:
         return int(shape[0])
     attn = attention(block)
-    return int((getattr(attn, "to_q", None) or attn.qkv).in_features)  # MMDiT: one qkv
+    return int((getattr(attn, "to_q", None) or attn.qkv).in_features)  # or fused q, k, v
 
 
 def context_dim(block: nn.Module) -> int | None:
@@ -250,60 +282,14 @@ def read_diffusers(unet: nn.Module) -> Layout:
     return _layout(unet, parts)
 
 
-def _dit_layout(root: nn.Module, fam: str, double: Iterable[nn.Module],
-                single: Iterable[nn.Module], dit: Dit) -> Layout:
-    """A DiT's blocks in order, double-stream first, all at the one level ``dit.patch``."""
+def _dit_layout(root: nn.Module, fam: dits.Family) -> Layout:
+    """A DiT's blocks as its family reads them, double-stream first, all at the one level
+    ``dit.patch``."""
+    dit, double, single = fam.read(root)
     names = {m: n for n, m in root.named_modules()}
     blocks = [Block(names.get(m, ""), m, dit.patch, False, "double") for m in double]
     blocks += [Block(names.get(m, ""), m, dit.patch, False, "single") for m in single]
-    return Layout(fam, root, tuple(blocks), "encoder_hidden_states", dit)
-
-
-def read_flux(model: nn.Module) -> Layout:
-    """diffusers ``FluxTransformer2DModel``: ``transformer_blocks`` (double-stream) then
-    ``single_transformer_blocks``; [text, image] joint sequence; timesteps in [0, 1]."""
-    cfg = getattr(model, "config", None)
-    patch = 2 * int(getattr(cfg, "patch_size", 1) or 1)  # 2x2 latent packing by the pipeline
-    return _dit_layout(model, "diffusers flux", model.transformer_blocks,
-                       model.single_transformer_blocks, Dit(patch, True, 512, 1000.0, True))
-
-
-def read_sd3(model: nn.Module) -> Layout:
-    """diffusers ``SD3Transformer2DModel``: joint blocks; [image, text]; timesteps 0..1000."""
-    patch = int(getattr(model.config, "patch_size", 2))
-    return _dit_layout(model, "diffusers sd3", model.transformer_blocks, (),
-                       Dit(patch, False, 333, 1.0, False))
-
-
-def read_comfy_flux(model: nn.Module) -> Layout:
-    """ComfyUI's (and its stand-in's) Flux: ``double_blocks`` then ``single_blocks``, reached
-    through the attn1 patch's DiT call form; sigmas in [0, 1]."""
-    return _dit_layout(model, "comfy flux", model.double_blocks, model.single_blocks,
-                       Dit(2, True, 512, 1000.0, True))
-
-
-def read_mmdit(model: nn.Module) -> Layout:
-    """SD3 as A1111 1.10 runs it (``modules.models.sd3.mmdit.MMDiT``, Stability's reference
-    code): ``joint_blocks``, each a context block and an image block (``x_block``) whose
-    ``attn.pre_attention`` gives the image tokens' q, k, v; [text, image]; called as
-    ``(x, t, context=, y=)`` with t = sigma * 1000."""
-    patch = model.x_embedder.patch_size
-    patch = int(patch[0] if isinstance(patch, (tuple, list)) else patch)
-    return _dit_layout(model, "a1111 sd3", model.joint_blocks, (),
-                       Dit(patch, True, 154, 1.0, False,
-                           (("x", 0), ("context", 3), ("t", 1))))
-
-
-def read_comfy_qwen(model: nn.Module) -> Layout:
-    """ComfyUI's Qwen-Image: ``transformer_blocks`` (all double-stream), the same DiT call form
-    and RoPE matrices as its Flux; [text, image]; sigmas in [0, 1]."""
-    return _dit_layout(model, "comfy qwen-image", model.transformer_blocks, (),
-                       Dit(int(getattr(model, "patch_size", 2)), True, 512, 1000.0, True))
-
-
-_COMFY_READERS = {"QwenImageTransformer2DModel": read_comfy_qwen}  # Flux: by its block lists
-_DIT_READERS = {"FluxTransformer2DModel": read_flux, "SD3Transformer2DModel": read_sd3,
-                "MMDiT": read_mmdit}
+    return Layout(fam.name, root, tuple(blocks), "encoder_hidden_states", dit)
 
 
 def _reader(module: nn.Module):
@@ -311,16 +297,8 @@ def _reader(module: nn.Module):
         return read_ldm
     if hasattr(module, "down_blocks") and hasattr(module, "up_blocks"):
         return read_diffusers
-    for cls in type(module).__mro__:
-        if cls.__name__ in _DIT_READERS:
-            return _DIT_READERS[cls.__name__]
-    if type(module).__module__.startswith("comfy.") and hasattr(module, "pe_embedder"):
-        # ComfyUI's own DiTs that call attn1 patches (Forge Neo's copies, in backend.nn, call
-        # none): Flux by its two block lists, Qwen-Image by its class
-        if hasattr(module, "double_blocks") and hasattr(module, "single_blocks"):
-            return read_comfy_flux
-        return _COMFY_READERS.get(type(module).__name__)
-    return None
+    fam = dits.find(module)
+    return None if fam is None else lambda m: _dit_layout(m, fam)
 
 
 def denoiser(model: Any) -> nn.Module | None:

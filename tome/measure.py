@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dit, memory, methods, policy
+from . import memory, methods, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, attention, channels, context_dim, read, unusable
@@ -222,17 +222,8 @@ def _kept(block: nn.Module, device: torch.device):
 def levels_to_measure(layout: Layout, config: ToMeConfig, levels: Iterable[int] | None
                       ) -> tuple[dict[int, list[nn.Module]], list[int]]:
     """The blocks of each level, in the UNet's order, and the levels to measure: ``levels``,
-    or those with blocks up to the config's max downsample (auto: the first with blocks)."""
-    by_level = {lv: [b.module for b in layout.at(lv)] for lv in layout.levels}
-    if levels is None:
-        max_ds = layout.auto_level(config.max_downsample)
-        return by_level, [lv for lv in layout.levels if lv <= max_ds]
-    chosen = sorted(set(levels))
-    missing = [lv for lv in chosen if lv not in by_level]
-    if missing:
-        raise ValueError(f"ToMe: no transformer blocks at level(s) {missing}; this UNet has "
-                         f"them at {sorted(by_level)}")
-    return by_level, chosen
+    or those with blocks up to the config's max downsample (``Layout.levels_to_measure``)."""
+    return layout.levels_to_measure(config, levels)
 
 
 def attention_backend(model: Any) -> str:
@@ -303,13 +294,15 @@ def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
 def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
             runner: Runner, rounds: int = 5, warmup: int = 1, clock: Clock | None = None,
             levels: Iterable[int] | None = None, min_rounds: int = 3) -> Measurement:
-    """Time each mergeable level of ``model``'s UNet unmerged and merged with ``config``.
+    """Time each mergeable level of ``model`` unmerged and merged with ``config``.
 
-    Per level, one transformer block stands for all of them (blocks at one level have the same
-    shape; ``representative``; a level whose every block another extension has taken over gets
-    no row, so the thresholds decide it); ``_time_level`` times it. ``runner`` runs a block
-    with or without a plan the way the host adapter does (``patch.run_block``,
-    ``patcher.run_block``); ``clock`` replaces the device's clock (tests). Runs on the device
+    Per level, one transformer block stands for each group of blocks of one shape (a UNet
+    level's blocks; a DiT's double- and single-stream blocks the schedule pools, summed into
+    its one level: ``Layout.timed``; ``representative``; a group whose every block another
+    extension has taken over is not timed, and a level with none gets no row, so the
+    thresholds decide it); ``_time_level`` times it. ``runner`` runs a block with or without
+    a plan the way the host adapter does (``patch.run_block``, ``patcher.run_block``,
+    ``processors.runner``); ``clock`` replaces the device's clock (tests). Runs on the device
     and dtype of the UNet's blocks, with inputs from a private generator; the model, its
     hooks, flags and the global RNG state are left exactly as they were. Raises
     ``memory.NotEnoughMemoryError`` before anything runs where the largest run would not fit.
@@ -324,20 +317,28 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     # Seed, window and use_rand do not change the cost: build as a random-destination call would.
     cfg = config.replace(policy="fixed", start=0.0, end=1.0, use_rand=True)
     latent = (int(latent[0]), int(latent[1]))
-    if layout.dit is not None:
-        return _measure_dit(layout, latent, batch, cfg, config.method, runner, clock, rounds,
-                            warmup, min_rounds)
-    by_level, chosen = levels_to_measure(layout, config, levels)
+    facts = layout.facts  # what a UNet or a DiT times (``Layout.timed``)
+    method, groups = facts.method(cfg), layout.timed(cfg, levels)
     decoder = {b.module for b in layout.blocks if b.decoder}
-    subs = methods.get(config.method).sub_layers(cfg)
-    reps = {level: representative(by_level[level], subs) for level in chosen}
-    _check_memory(layout, latent, batch, reps)
+    subs = facts.sub_layers(cfg)
+    reps = {level: [representative(g, subs) for g in gs] for level, gs in groups.items()}
+    _check_memory(layout, latent, batch, {level: rs[0] for level, rs in reps.items()})
     rows = []
-    for level, block in reps.items():
-        if block is not None:
-            rows.append(_time_level(block, by_level[level], decoder, level, latent, batch, cfg,
-                                    runner, clock, rounds, warmup, min_rounds))
-    return _result(reps.values(), layout, latent, batch, config.method, rows)
+    for level, gs in groups.items():
+        parts = [_time_level(rep, g, decoder, level, latent, batch, cfg, runner, clock, rounds,
+                             warmup, min_rounds, method)
+                 for g, rep in zip(gs, reps[level]) if rep is not None]
+        if parts:
+            rows.append(parts[0] if len(parts) == 1 else _summed(level, parts))
+    return _result([r for rs in reps.values() for r in rs], layout, latent, batch,
+                   config.method, rows)
+
+
+def _summed(level: int, parts: list[LevelTiming]) -> LevelTiming:
+    """One level's row from its groups' rows (a DiT's double- and single-stream blocks): the
+    blocks and times add up; one plan per call."""
+    return LevelTiming(level, parts[0].tokens, sum(r.blocks for r in parts), parts[0].plans,
+                       sum(r.unmerged_ms for r in parts), sum(r.merged_ms for r in parts))
 
 
 def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[int, int],
@@ -346,29 +347,6 @@ def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[in
     p = next(p.parameters())
     return Measurement(device_name(p.device), str(p.dtype).removeprefix("torch."), latent,
                        int(batch), method, tuple(rows))
-
-
-def _measure_dit(layout: Layout, latent: tuple[int, int], batch: int, cfg: ToMeConfig,
-                 method_name: str, runner: Runner, clock: Clock | None, rounds: int,
-                 warmup: int, min_rounds: int) -> Measurement:
-    """A DiT's one level (its patch size): one block of each kind the schedule (or the
-    ``blocks`` setting) pools (double-stream and single-stream blocks cost differently),
-    timed unpooled and pooled, summed over the blocks of that kind."""
-    method, level = dit.method_for(cfg), layout.dit.patch
-    schedule, n = dit.schedule_of(cfg), len(layout.blocks)
-    kinds: dict[str, list[nn.Module]] = {}
-    for i, b in enumerate(layout.blocks):
-        if method is not None and schedule.factor(i, b.kind, n, None):
-            kinds.setdefault(b.kind, []).append(b.module)
-    reps = {k: representative(bs, ()) for k, bs in kinds.items()}  # the adapter chose them
-    _check_memory(layout, latent, batch, dict.fromkeys([level], next(iter(reps.values()), None)))
-    parts = [_time_level(rep, kinds[k], set(), level, latent, batch, cfg, runner, clock,
-                         rounds, warmup, min_rounds, method)
-             for k, rep in reps.items() if rep is not None]
-    rows = [LevelTiming(level, parts[0].tokens, sum(r.blocks for r in parts), 1,
-                        sum(r.unmerged_ms for r in parts), sum(r.merged_ms for r in parts))
-            ] if parts else []
-    return _result(reps.values(), layout, latent, batch, method_name, rows)
 
 
 def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Module], level: int,

@@ -263,7 +263,7 @@ class Setting:
         if self.method == "baseline":
             return ""
         unet = unet_of(model)
-        levels = _layout.read(unet).level_of
+        levels = {b.module: b.level for b in _layout.read(unet).blocks}
         if self.method == "ceiling":
             return f"{len(getattr(unet, _CEILING_ATTR, []))}/{len(levels)}"
         if self.impl == "tomesd":
@@ -371,7 +371,7 @@ def remove_attention(model: Any, config: ToMeConfig | None = None) -> list[str]:
         tome.remove_patch(unet)
     names = {m: n for n, m in unet.named_modules()}
     saved, done = [], []
-    for block, ds in _layout.read(unet).level_of.items():
+    for block, ds in ((b.module, b.level) for b in _layout.read(unet).blocks):
         attn = getattr(block, "attn1", None)
         if attn is None or not 0 < ds <= top:
             continue

@@ -72,7 +72,7 @@ class LevelClock:
     block (plan building and unmerging included); CUDA events on a GPU, read after the call."""
 
     def __init__(self, unet: torch.nn.Module, device: torch.device):
-        self.levels = {b: lv for b, lv in _layout.read(unet).level_of.items() if lv}
+        self.levels = {b.module: b.level for b in _layout.read(unet).blocks if b.level}
         self.cuda = device.type == "cuda"
 
     def _now(self) -> Any:

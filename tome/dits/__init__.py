@@ -1,0 +1,88 @@
+"""The DiT families: one file each in ``tome/dits/``, one registry here, read by ``layout.read``.
+
+A family file (``flux.py``: diffusers Flux) holds everything in which DiTs differ: how to
+recognise the model, its reader (the ``Dit`` facts and its blocks), how to read a call (the
+grid, the text span, the timestep), its attention maths where an adapter reproduces the
+host's attention, its measuring inputs, its display name. Everything else (the schedule,
+pooling, the bias, reuse, the planner, the adapters) is shared and names no family.
+
+Adding a DiT family:
+
+1. a file ``tome/dits/<name>.py`` defining ``FAMILY = Family(...)`` (``family.py`` says what
+   each field is; copy the closest family):
+   - ``name``: the display name (``Layout.family``, reports, console lines);
+   - ``recognise(module)``: whether a module is this family's denoiser (``by_class(...)``);
+   - ``read(model) -> (Dit(...), double-stream blocks, single-stream blocks)``;
+   - for diffusers models pooled through their attention processors: ``call`` (how a
+     forward call gives the latent size, text length and timestep; ``latent_call`` for a
+     model called with the latent itself), ``maths`` (per processor class the library's
+     attention with ``plan.pool`` / ``plan.keys`` before the kernel, through
+     ``attend.attend``), ``inputs`` (one block's call for measuring), and where needed
+     ``attentions``, ``check`` (a library version the maths do not match), ``shadow``
+     (a model without processors: A1111's MMDiT) and ``attention``;
+   - for a host's own patch form (ComfyUI's attn1 DiT call form): ``name``, ``recognise``
+     and ``read`` only; the form lives with its adapter (``patcher.py``);
+2. one line here: its module in ``BUILTIN`` (a family outside the library calls
+   ``register(FAMILY)`` itself; ``unregister(name)`` undoes it);
+3. tests: the reader, a pooled call against a hand-written reference and factor 1 against
+   the library's own bits, removal bit-exact (``tests/test_dits.py`` proves the recipe with
+   a toy family defined in the test file);
+4. docs: the model lists (README, ``docs/development.md``'s readers) and ``layout``'s "not
+   supported" message where it names DiTs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import comfy_flux, comfy_qwen, flux, mmdit, sd3
+from .family import Call, Dit, Family, by_class, latent_call
+
+__all__ = ["Call", "Dit", "Family", "by_class", "latent_call", "register", "unregister",
+           "families", "find", "of", "attention"]
+
+REGISTRY: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Make ``family`` known under ``family.name``: ``layout.read`` reads its models and the
+    adapters pool them. A later registration of the same name replaces it."""
+    REGISTRY[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    """Forget a family registered with ``register`` (tests of a toy family undo themselves)."""
+    REGISTRY.pop(name, None)
+
+
+def families() -> tuple[Family, ...]:
+    """The registered families, in the order they are tried (built-in ones first)."""
+    return tuple(REGISTRY.values())
+
+
+def find(module: nn.Module) -> Family | None:
+    """The family whose denoiser ``module`` is, or None."""
+    return next((f for f in REGISTRY.values() if f.recognise(module)), None)
+
+
+def of(layout: Any) -> Family:
+    """The family a DiT layout was read by (``Layout.family`` is its name)."""
+    return REGISTRY[layout.family]
+
+
+def attention(block: nn.Module) -> nn.Module | None:
+    """A block's attention module where a family names it (``Family.attention``), or None."""
+    for f in REGISTRY.values():
+        found = f.attention(block) if f.attention is not None else None
+        if found is not None:
+            return found
+    return None
+
+
+# The built-in families, in the order they are tried.
+BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen)
+for _module in BUILTIN:
+    register(_module.FAMILY)

@@ -1,0 +1,20 @@
+"""ComfyUI's Qwen-Image: ``transformer_blocks`` (all double-stream), the same DiT call form
+and RoPE matrices as its Flux (``patcher.py``); [text, image]; sigmas in [0, 1]."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .comfy_flux import comfy
+from .family import Dit, Family
+
+
+def read(model: nn.Module) -> tuple[Dit, Any, Any]:
+    return (Dit(int(getattr(model, "patch_size", 2)), True, 512, 1000.0, True),
+            model.transformer_blocks, ())
+
+
+FAMILY = Family("comfy qwen-image",
+                lambda m: comfy(m) and type(m).__name__ == "QwenImageTransformer2DModel", read)
