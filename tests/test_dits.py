@@ -1,0 +1,180 @@
+"""``tome.dits``: the registry, and proof that a DiT family is one room: a toy DiT (its own
+module classes, a diffusers-like attention processor over a joint [text, image] sequence) and
+its family are defined and registered in this file alone; ``layout.read`` then reads it,
+``tome.apply_patch`` pools it (the auto policy measuring it through the family's inputs) and
+``tome.remove_patch`` leaves it bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stubs import fake_clock
+from torch import nn
+
+import tome
+from tome import attend, dits, layout
+from tome.dits.family import text_and_time
+from tome.measurements import MeasurementCache, Measurer
+
+TEXT = 6
+
+
+def heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.unflatten(-1, (n, -1)).transpose(1, 2)  # [B, S, C] -> [B, heads, S, D]
+
+
+class ToyAttnProcessor:
+    """The host library's processor: joint attention over [text, image]."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        x = torch.cat([encoder_hidden_states, hidden_states], 1)
+        q, k, v = (heads(p(x), attn.heads) for p in (attn.to_q, attn.to_k, attn.to_v))
+        out = attn.to_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        n = encoder_hidden_states.shape[1]
+        return out[:, n:], out[:, :n]
+
+
+class ToyAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.heads = n_heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.processor = ToyAttnProcessor()
+
+    def forward(self, hidden_states, encoder_hidden_states=None):
+        return self.processor(self, hidden_states, encoder_hidden_states)
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(dim), ToyAttention(dim, n_heads)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb):
+        img, txt = self.attn(self.norm(hidden_states) + temb[:, None], encoder_hidden_states)
+        return hidden_states + img, encoder_hidden_states + txt
+
+
+class ToyDiT(nn.Module):
+    """Called as ``(latent [B, C, H, W], text [B, T, E], timestep 0..1000)``."""
+
+    def __init__(self, channels=4, dim=16, n_heads=2, depth=2, patch=2, text_dim=8):
+        super().__init__()
+        self.patch, self.channels = patch, channels
+        self.embed = nn.Conv2d(channels, dim, patch, stride=patch)
+        self.text, self.time = nn.Linear(text_dim, dim), nn.Linear(1, dim)
+        self.blocks = nn.ModuleList([ToyBlock(dim, n_heads) for _ in range(depth)])
+        self.out = nn.Linear(dim, patch * patch * channels)
+
+    def forward(self, latent, text, timestep):
+        b, _, hh, ww = latent.shape
+        x = self.embed(latent).flatten(2).transpose(1, 2)
+        ctx, temb = self.text(text), self.time(timestep.float()[:, None] / 1000)
+        for block in self.blocks:
+            x, ctx = block(x, ctx, temb)
+        p, h, w = self.patch, hh // self.patch, ww // self.patch
+        out = self.out(x).view(b, h, w, self.channels, p, p)
+        return out.permute(0, 3, 1, 4, 2, 5).reshape(b, self.channels, hh, ww)
+
+
+# ----------------------------------------------------------------------------- its family
+
+def toy_maths(wrapper, attn, plan, hs, ehs, emb):
+    """``ToyAttnProcessor`` with the image keys/values pooled (they start after the text)."""
+    n = ehs.shape[1]
+    x = torch.cat([ehs, hs], 1)
+    q, k, v = (heads(p(x), attn.heads) for p in (attn.to_q, attn.to_k, attn.to_v))
+    out = attend.attend(wrapper, attend.sdpa, plan, q, k, v, n, 2)
+    out = attn.to_out(out.transpose(1, 2).flatten(2))
+    return out[:, n:], out[:, :n]
+
+
+def toy_inputs(lay, x, size):
+    text, temb = text_and_time(x, lay.dit.text_tokens)
+    return (), {"hidden_states": x, "encoder_hidden_states": text, "temb": temb}
+
+
+TOY = dits.Family(
+    "toy dit", dits.by_class("ToyDiT"),
+    read=lambda m: (dits.Dit(m.patch, True, TEXT, 1.0, False), m.blocks, ()),
+    call=dits.latent_call(("latent", 0), ("text", 1), ("timestep", 2)),
+    maths={"ToyAttnProcessor": toy_maths}, inputs=toy_inputs)
+
+
+@pytest.fixture
+def toy():
+    dits.register(TOY)
+    yield TOY
+    dits.unregister(TOY.name)
+
+
+def model_and_inputs():
+    torch.manual_seed(0)
+    model = ToyDiT().eval()
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(2, 4, 16, 12, generator=g), torch.randn(2, TEXT, 8, generator=g),
+                   torch.full((2,), 500.0))
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+def test_an_unregistered_dit_is_not_supported():
+    model, _ = model_and_inputs()
+    with pytest.raises(layout.UnsupportedModelError, match="ToyDiT"):
+        layout.read(model)
+
+
+def test_layout_reads_the_registered_family(toy):
+    model, _ = model_and_inputs()
+    read = layout.read(model)
+    assert read.family == "toy dit" and read.kind == "DiT" and read.dit.patch == 2
+    assert [(b.name, b.level, b.kind) for b in read.blocks] == [
+        ("blocks.0", 2, "double"), ("blocks.1", 2, "double")]
+    assert dits.find(model) is toy and dits.of(read) is toy
+
+
+def test_the_toy_family_pools_and_removal_is_bit_exact(toy, monkeypatch):
+    model, inputs = model_and_inputs()
+    ref = run(model, inputs)
+    keys = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: (
+        keys.append(k.shape[2]), sdpa(q, k, v, **kw))[1])
+    tome.apply_patch(model, method="downsample")
+    assert tome.patch_report(model).summary().startswith(
+        "ToMe: toy dit DiT, downsample x2; 2/2 blocks pooled")
+    out = run(model, inputs)
+    assert keys == [TEXT + 4 * 3] * 2  # an 8x6 grid pooled 2x2: 12 image keys
+    assert out.isfinite().all() and not torch.equal(out, ref)
+    tome.remove_patch(model)
+    assert all(type(b.attn.processor) is ToyAttnProcessor for b in model.blocks)
+    assert torch.equal(run(model, inputs), ref)
+
+
+def test_factor_1_runs_the_family_maths_bit_for_bit(toy):
+    model, inputs = model_and_inputs()
+    ref = run(model, inputs)
+    tome.apply_patch(model, method="downsample", downsample_factor=1)
+    try:
+        assert torch.equal(run(model, inputs), ref)
+    finally:
+        tome.remove_patch(model)
+
+
+def test_the_auto_policy_measures_through_the_family_inputs(toy, tmp_path):
+    model, inputs = model_and_inputs()
+    ref = run(model, inputs)
+    service = Measurer(MeasurementCache(tmp_path / "m.json", say=print), say=print,
+                       clock=fake_clock(2.0), rounds=3)
+    tome.apply_patch(model, method="downsample", policy="auto", measure=service)
+    try:
+        run(model, inputs)
+        (decision,) = tome.patch_report(model).decisions.values()
+        assert decision.merged and "measured 2.00x" in decision.reason
+    finally:
+        tome.remove_patch(model)
+    assert torch.equal(run(model, inputs), ref)
