@@ -86,6 +86,10 @@ class Unet:
     def sub_layers(self, config: Any) -> tuple[str, ...]:
         return methods.get(config.method).sub_layers(config)
 
+    def coverage(self, report: Any) -> str | None:
+        """None: a UNet's coverage is in its adapter's words (``PatchReport.coverage``)."""
+        return None
+
 
 UNET = Unet()
 

@@ -44,6 +44,8 @@ class PatchReport:
     unmergeable: str | None = None  # why the settings merge no level of this model
     kind: str = "UNet"  # or "DiT": its blocks' image keys/values are pooled
     rope: bool = False  # a DiT with rotary positions (the ``rope`` option applies)
+    # What the model is to the library (``Layout.facts``): its words for the blocks covered.
+    facts: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, layout: Any, config: ToMeConfig, adapter: str, **more: Any) -> PatchReport:
@@ -53,7 +55,7 @@ class PatchReport:
         method without a DiT form) is set before anything is patched."""
         report = cls(family=layout.family, config=config, adapter=adapter,
                      total_blocks=len(layout.blocks), kind=layout.kind,
-                     rope=bool(getattr(layout.dit, "rope", False)),
+                     rope=bool(getattr(layout.dit, "rope", False)), facts=layout.facts,
                      max_downsample=more.pop("max_downsample", 0), **more)
         report.unmergeable = ("ToMe: these settings change nothing" if not config.active
                               else layout.unmergeable(config))
@@ -90,15 +92,14 @@ class PatchReport:
 
     def coverage(self) -> str:
         """Hooks: ``5/16 blocks patched at downsample <= 1 (ds1: 5)``; the attn1 patch:
-        ``ratio 0.5 at downsample <= 1``; plus the step window (``steps 0-0.5``, and on a
-        ModelPatcher host the sigmas that bounds)."""
+        ``ratio 0.5 at downsample <= 1``; a DiT, in its own words (``Layout.facts``): ``2/4
+        blocks pooled (blocks all, rope pooled)``; plus the step window (``steps 0-0.5``, and
+        on a ModelPatcher host the sigmas that bounds)."""
         c = self.config
-        if self.kind == "DiT":
-            text = f"{self.patched_blocks}/{self.total_blocks} blocks pooled (blocks {c.blocks}"
-            text += f", rope {c.rope})" if self.rope else ")"
-        elif self.adapter != HOOKS:
+        text = self.facts.coverage(self) if self.facts is not None else None
+        if text is None and self.adapter != HOOKS:
             text = f"{methods.get(c.method).describe(c)} at downsample <= {self.max_downsample}"
-        else:
+        elif text is None:
             levels = ", ".join(f"ds{d}: {n}" for d, n in sorted(self.levels.items())) or "none"
             text = (f"{self.patched_blocks}/{self.total_blocks} blocks patched at downsample <= "
                     f"{self.max_downsample} ({levels})")

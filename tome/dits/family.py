@@ -53,6 +53,12 @@ class Dit:
         """What a timed block must have: nothing beyond what the adapter already chose."""
         return ()
 
+    def coverage(self, report: Any) -> str:
+        """``2/4 blocks pooled (blocks all, rope pooled)``, whatever the adapter."""
+        c = report.config
+        text = f"{report.patched_blocks}/{report.total_blocks} blocks pooled (blocks {c.blocks}"
+        return text + (f", rope {c.rope})" if report.rope else ")")
+
 
 class Call(NamedTuple):
     """One transformer call as the processors adapter needs it."""
