@@ -27,6 +27,7 @@ from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
 from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
 from stubs import fake_clock  # noqa: E402
 
+from tome import override  # noqa: E402
 from tome import patcher as mp  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
 from tome.config import FIELDS, ToMeConfig, choices, preset  # noqa: E402
@@ -269,15 +270,6 @@ def test_measure_node_returns_a_table_and_an_image(user_dir, lines):
         measure_node.parse_sizes("500")
 
 
-def test_measure_node_on_flux_says_why_each_row_is_not_measured(user_dir, lines):
-    """It used to answer ``AttributeError: 'DoubleBlock' object has no attribute 'x_block'``
-    for both methods."""
-    text, image = nodes.ToMeMeasure().measure(flux_model(), "512, 1024")["result"]
-    rows = [line for line in text.splitlines() if "skipped: not measured: this host's DiT" in line]
-    assert len(rows) == 2 * 2 and "Error" not in text
-    assert image.shape[0] == 1 and image.shape[-1] == 3
-
-
 def _load_pack(code: str, cwd: Path) -> subprocess.CompletedProcess:
     """Import the repository as ComfyUI imports a custom node folder, in a fresh Python."""
     load = (
@@ -327,9 +319,305 @@ def test_the_example_workflow_matches_the_nodes():
             assert inputs.config(values) == ToMeConfig(policy="auto")
 
 
-# ----------------------------------------------------------------------------- DiTs (Flux)
+# ----------------------------------------------------------------------------- DiTs
+
+LATENTS = {"flux": (1, 4, 16, 24), "qwen": (1, 4, 1, 16, 24), "wan": (1, 4, 3, 16, 24)}
+FAMILY_NAMES = {"flux": "comfy flux", "qwen": "comfy qwen-image", "wan": "comfy wan"}
+FIXED = {"method": "downsample", "policy": "fixed"}
+
+
+def dit_model(family="flux", **kw):
+    """ComfyUI 0.8.0's Flux, Qwen-Image or Wan 2.1 (tiny stand-ins) behind a ModelPatcher,
+    with their model sampling (Flux and Qwen-Image: shift 1.15; Wan: discrete flow, shift
+    8)."""
+    from comfy.ldm.flux.model import Flux
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+    from comfy.ldm.wan.model import WanModel
+    from comfy.model_base import BaseModel
+    from comfy.model_sampling import ModelSamplingDiscreteFlow
+    torch.manual_seed(0)
+    net, sampling = {"flux": (Flux, lambda: ModelSamplingFlux(shift=1.15)),
+                     "qwen": (QwenImageTransformer2DModel, lambda: ModelSamplingFlux(shift=1.15)),
+                     "wan": (WanModel, lambda: ModelSamplingDiscreteFlow(shift=8.0))}[family]
+    return ModelPatcher(BaseModel(net(**kw).eval(), sampling()))
+
+
+def sample(patcher, family="flux", seed=0, steps=4, sigmas=None, latent=None, **conds):
+    """A KSampler run (Euler, cfg 1) from seeded noise and text, with the model's "simple"
+    sigmas (Flux 4 steps: 1.0, 0.905, 0.760, 0.513; Wan: 1.0, 0.96, 0.889, 0.727)."""
+    from comfy.model_sampling import simple_sigmas
+    from comfy.sampling import dit_sample
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(latent or LATENTS[family], generator=g)
+    ctx = torch.randn(1, 5, 12, generator=g)
+    if sigmas is None:
+        sigmas = simple_sigmas(patcher.get_model_object("model_sampling"), steps)
+    with torch.no_grad():
+        return dit_sample(patcher, noise, ctx, sigmas, **conds)
+
+
+def one_call(patcher, sigma, family="flux"):
+    """The denoised latent of one model call at ``sigma`` (a sampler's step to 0)."""
+    return sample(patcher, family, sigmas=torch.tensor([float(sigma), 0.0]))
+
+
+def spy(monkeypatch, family="flux"):
+    """The key lengths each attention call of ``family`` hands the backend (the module global
+    its model bound at import, replaced by a wrapped backend of the same name)."""
+    import comfy.ldm.flux.math
+    import comfy.ldm.qwen_image.model
+    import comfy.ldm.wan.model
+    from comfy.ldm.modules import attention as comfy_attention
+    seen = []
+
+    @comfy_attention.wrap_attn
+    def attention_pytorch(q, k, v, heads, mask=None, **kw):
+        seen.append(k.shape[2 if kw.get("skip_reshape") else 1])
+        return comfy_attention.attention_pytorch.__wrapped__(q, k, v, heads, mask, **kw)
+
+    module, name = {"flux": (comfy.ldm.flux.math, "optimized_attention"),
+                    "qwen": (comfy.ldm.qwen_image.model, "optimized_attention_masked"),
+                    "wan": (comfy.ldm.wan.model, "optimized_attention")}[family]
+    monkeypatch.setattr(module, name, attention_pytorch)
+    return seen
+
+
+def close(a, b, tol=0.2):
+    return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm()) < tol
+
+
+FAMILIES = ["flux", "qwen", "wan"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_comfy_dit_is_pooled_through_the_attention_override(lines, monkeypatch, family):
+    """ComfyUI 0.8.0's blocks never call attn1 patches; every family reaches attention
+    through the override: pooled, finite, close; the same seed gives the same latent; the
+    input MODEL (no node) stays bit-identical."""
+    base = dit_model(family)
+    ref = sample(base, family)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    assert ours is not base and not base.wrappers
+    assert lines[-2].startswith(f"ToMe: {FAMILY_NAMES[family]} DiT, downsample x2; 2/2 "
+                                "blocks pooled" if family != "flux" else
+                                "ToMe: comfy flux DiT, downsample x2; 4/4 blocks pooled")
+    assert lines[-1].startswith("ToMe DiT: x2 in all blocks; proportional attention; rope "
+                                "before (this ComfyUI form cannot apply: rope pooled")
+    seen = spy(monkeypatch, family)
+    out = sample(ours, family)
+    pooled = {"flux": 5 + 4 * 6, "qwen": 5 + 4 * 6, "wan": 3 * 4 * 6}[family]
+    if family == "wan":  # its cross-attention (keys of the 5 text tokens) passes through
+        assert set(seen) == {pooled, 5} and seen.count(5) == seen.count(pooled)
+    else:
+        assert set(seen) == {pooled}
+    assert not torch.equal(out, ref) and close(out, ref)
+    assert torch.equal(sample(ours, family), out)
+    assert torch.equal(sample(base, family), ref)
+    assert getattr(ours, mp.MARK).fired == 8 and len(lines) == 2
+
+
+def test_a_graph_without_the_node_after_one_with_it_is_bit_identical(lines):
+    base = dit_model()
+    before = sample(base)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    sample(ours)
+    assert torch.equal(sample(base), before)
+    assert not override.carried(base) and getattr(base, mp.MARK, None) is None
+
+
+def test_an_override_already_there_is_chained_with_the_pooled_tensors(lines, monkeypatch):
+    """A SageAttention node (KJNodes' way: its override ignores ``func`` and calls its
+    kernel, which drops masks) set before or after ours: ours calls it with the pooled keys,
+    the bias riding on an extra channel; the latent is the one ours gives alone."""
+    from comfy.ldm.modules import attention as comfy_attention
+    got = []
+
+    def sage_override(func, *args, **kwargs):
+        got.append(args[1].shape[2])
+        return comfy_attention.attention_sage.__wrapped__(*args, **kwargs)
+
+    base = dit_model()
+    (alone,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    expected = sample(alone)
+    sage = base.clone()
+    sage.model_options["transformer_options"][override.OVERRIDE] = sage_override
+    (ours,) = nodes.ToMePatch().patch(sage, **defaults(**FIXED))
+    torch.testing.assert_close(sample(ours), expected, atol=1e-4, rtol=1e-4)
+    assert got and set(got) == {5 + 4 * 6}
+    later = alone.clone()  # installed after ours, at graph time
+    later.model_options["transformer_options"][override.OVERRIDE] = sage_override
+    got.clear()
+    torch.testing.assert_close(sample(later), expected, atol=1e-4, rtol=1e-4)
+    assert set(got) == {5 + 4 * 6}
+
+
+def test_a_non_chaining_override_installed_after_ours_is_said(lines):
+    """A node that sets its own override inside the call, after ours, without calling it:
+    nothing is pooled, and one line says so."""
+    from comfy.ldm.modules import attention as comfy_attention
+
+    def theirs(func, *args, **kwargs):
+        return comfy_attention.attention_pytorch.__wrapped__(*args, **kwargs)
+
+    def replace(executor, *args, **kwargs):
+        args = list(args)
+        args[7] = {**args[7], override.OVERRIDE: theirs}  # Flux's transformer_options
+        return executor(*args, **kwargs)
+
+    base = dit_model()
+    plain = base.clone()
+    plain.add_wrapper_with_key("diffusion_model", "theirs", replace)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    after = ours.clone()
+    after.add_wrapper_with_key("diffusion_model", "theirs", replace)
+    assert torch.equal(sample(after), sample(plain))
+    sample(after)
+    assert lines.count(override.OverridePatch.SILENT) == 1
+
+
+def test_reference_latents_stay_unpooled(lines, monkeypatch):
+    """Kontext: a reference latent's tokens follow the image's; only the image is pooled."""
+    base = dit_model()
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    seen = spy(monkeypatch)
+    ref = torch.randn(1, 4, 8, 12)
+    out = sample(ours, ref_latents=[ref])
+    assert set(seen) == {5 + 4 * 6 + 4 * 6}
+    assert close(out, sample(base, ref_latents=[ref]))
+
+
+def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
+    """Wan with ``ref_conv``: the reference latent's tokens come first, unpooled. A video
+    whose token count equals the text length cannot be told from cross-attention by its
+    lengths: nothing is pooled there."""
+    base = dit_model("wan", ref_conv=True)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    seen = spy(monkeypatch, "wan")
+    ref = torch.randn(1, 4, 16, 24)
+    out = sample(ours, "wan", reference_latent=ref)
+    assert 8 * 12 + 3 * 4 * 6 in seen
+    assert close(out, sample(base, "wan", reference_latent=ref))
+    tiny = (1, 4, 1, 2, 10)  # 1 x 1 x 5 video tokens: as many as the text's
+    assert torch.equal(sample(ours, "wan", latent=tiny), sample(base, "wan", latent=tiny))
+
+
+def test_merge_on_a_dit_passes_through_with_one_line(lines):
+    base = dit_model()
+    (out,) = nodes.ToMePatch().patch(base, **defaults(method="merge"))
+    assert out is base and "merge has no DiT form" in lines[-1] and "passes through" in lines[-1]
+
+
+def test_ours_twice_on_a_dit_pools_once(lines):
+    base = dit_model()
+    (first,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, downsample_factor=4))
+    (second,) = nodes.ToMePatch().patch(first, **defaults(**FIXED))
+    assert len(second.wrappers["apply_model"]["tome"]) == 1
+    assert "an earlier ToMe node's patch" in lines[2]
+    (direct,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    assert torch.equal(sample(second), sample(direct))
+
+
+def test_dit_blocks_setting_and_window(lines):
+    base = dit_model()
+    (doubles,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, blocks="double"))
+    (late,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, start=0.5))
+    assert not torch.equal(one_call(doubles, 0.9), one_call(base, 0.9))
+    assert torch.equal(one_call(late, 0.9), one_call(base, 0.9))  # before the window
+    assert not torch.equal(one_call(late, 0.2), one_call(base, 0.2))
+
+
+def test_a_flux_window_is_cut_where_its_shifted_schedule_is(lines):
+    """Flux's sigmas are shifted (4 steps: 1.0, 0.905, 0.760, 0.513): progress 0.45 is sigma
+    0.794, so the last two steps pool; 1 - sigma would have put only the last inside. The
+    window's line comes at the first step of a run."""
+    from comfy.model_sampling import simple_sigmas
+    base = dit_model()
+    schedule = simple_sigmas(ModelSamplingFlux(shift=1.15), 4)
+    (late,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, start=0.45))
+    pooled = [not torch.equal(one_call(late, s), one_call(base, s)) for s in schedule[:-1]]
+    assert pooled == [False, False, True, True]
+    sample(late)
+    assert lines[-1].startswith("ToMe: steps 0.45-1 (sigma <= 0.79") \
+        and lines[-1].endswith("merging in 2 of 4 steps")
+
+
+def test_flux_pools_from_its_schedule_window(lines):
+    """A schedule's window is the form's step window (the fast preset without reuse):
+    progress 0.3 is sigma 0.88 with Flux's shift; and a schedule whose items have different
+    windows gives each block its factor at each step."""
+    base = dit_model()
+    (fast,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="all:2@0.3-1"))
+    assert torch.equal(one_call(fast, 0.9), one_call(base, 0.9))
+    assert not torch.equal(one_call(fast, 0.5), one_call(base, 0.5))
+    assert any(line.startswith("ToMe DiT: x2 in all blocks, steps 0.3-1") for line in lines)
+    (steps,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="double:2@0-0.5,"
+                                                                        "single:4@0.5-1"))
+    (doubles,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, blocks="double"))
+    assert torch.equal(one_call(steps, 0.99), one_call(doubles, 0.99))
+    (singles,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="single:4"))
+    assert torch.equal(one_call(steps, 0.2), one_call(singles, 0.2))
+
+
+@pytest.mark.parametrize("order", ["tome first", "compile first"])
+def test_a_compiled_model_recompiles_at_most_once_per_resolution(lines, order):
+    """ComfyUI's TorchCompileModel (its guard filter drops every guard on
+    ``transformer_options``) before or after ours: the compiled model gives the eager
+    latents, pools where the window says, and compiles one graph per resolution and window
+    state (the override is one stable object; the call's state plain ints)."""
+    import torch._dynamo.testing
+    from comfy_api.torch_helpers import set_torch_compile_wrapper, skip_torch_compile_dict
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    base = dit_model()
+    config = defaults(**FIXED, start=0.3)
+
+    def compiled(m):
+        m = m.clone()
+        set_torch_compile_wrapper(m, counter, options={"guard_filter_fn": skip_torch_compile_dict})
+        return m
+
+    if order == "tome first":
+        model = compiled(nodes.ToMePatch().patch(base, **config)[0])
+    else:
+        model = nodes.ToMePatch().patch(compiled(base), **config)[0]
+    (eager,) = nodes.ToMePatch().patch(base, **config)
+    for latent in ((1, 4, 16, 24), (1, 4, 16, 24), (1, 4, 24, 24)):
+        torch.testing.assert_close(sample(model, latent=latent), sample(eager, latent=latent))
+    assert counter.frame_count <= 2 * 2, counter.frame_count  # 2 resolutions x (unpooled, pooled)
+    torch.testing.assert_close(one_call(model, 1.0), one_call(base, 1.0))
+
+
+def test_measure_node_on_a_dit_says_why_each_row_is_not_measured(user_dir, lines):
+    """It used to answer ``AttributeError: 'DoubleBlock' object has no attribute 'x_block'``
+    for both methods."""
+    text, image = nodes.ToMeMeasure().measure(dit_model(), "512, 1024")["result"]
+    rows = [line for line in text.splitlines() if "skipped: not measured: this host's DiT" in line]
+    assert len(rows) == 2 * 2 and "Error" not in text
+    assert image.shape[0] == 1 and image.shape[-1] == 3
+
+
+def test_comfy_qwen_image_is_read_as_a_dit_and_diffusers_qwen_is_named():
+    """ComfyUI's Qwen-Image is read as a DiT of double blocks; the diffusers class of the
+    same name is not (no adapter for it)."""
+    from tome import layout
+
+    def qwen(module):
+        cls = type("QwenImageTransformer2DModel", (torch.nn.Module,), {"__module__": module})
+        m = cls()
+        m.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+        m.pe_embedder, m.patch_size = torch.nn.Identity(), 2
+        return m
+    read = layout.read(qwen("comfy.ldm.qwen_image.model"))
+    assert read.family == "comfy qwen-image" and [b.kind for b in read.blocks] == ["double"] * 3
+    with pytest.raises(layout.UnsupportedModelError, match="QwenImageTransformer2DModel"):
+        layout.read(qwen("diffusers.models.transformers.transformer_qwenimage"))
+
+
+# ------------------------------------------ the attn1 DiT form (patcher.py; no longer chosen)
 
 def flux_model(calls_patches=True, rope_always=False):
+    """The upstream attn1 DiT call form's stand-in (``comfy/flux.py``)."""
     from comfy.flux import FluxModel
     torch.manual_seed(0)
     m = torch.nn.Module()
@@ -347,42 +635,21 @@ def flux_run(patcher, sigma=0.8, size=(16, 24), seed=0):
         return flux_call(patcher, x, ctx, sigma)
 
 
-@pytest.mark.parametrize("rope", ["pooled", "before"])
-def test_the_node_pools_a_flux_model_through_the_dit_call_form(lines, monkeypatch, rope):
-    import comfy.flux
-    base = flux_model()
-    ref = flux_run(base)
-    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
-                                                       rope=rope))
-    assert ours is not base and "comfy flux DiT" in lines[-2], lines
-    assert lines[-1] == f"ToMe DiT: x2 in all blocks; plain pooling; rope {rope} (this ComfyUI " \
-                        "form cannot apply: proportional attention)"
-    keys = []
-    attention = comfy.flux.attention
-    monkeypatch.setattr(comfy.flux, "attention", lambda q, k, v, pe: (
-        keys.append((k.shape[2], pe)), attention(q, k, v, pe))[1])
-    out = flux_run(ours)
-    assert not torch.equal(out, ref) and torch.isfinite(out).all()
-    assert torch.equal(flux_run(ours), out)  # same inputs, same bits
-    # 8x12 image tokens pooled 2x2 -> 4x6, after 5 text tokens; pe handed back as a rotation
-    # by nothing that broadcasts over any length (one position, a 2x2 identity per pair)
-    assert [n for n, _ in keys[:4]] == [5 + 24] * 4
-    pe = keys[0][1]
-    assert pe.shape[-4:] == (1, 8, 2, 2) and torch.equal(pe, torch.eye(2).expand_as(pe))
-    assert torch.equal(flux_run(base), ref) and not mp.carried(base)[0]  # the input MODEL
+def attn1_form(base, **changes):
+    from tome import layout
+    return mp.patch_dit(base, layout.read(base.model), ToMeConfig(**{**FIXED, **changes}))[0]
 
 
 @pytest.mark.parametrize("rope", ["pooled", "before"])
-def test_a_host_that_rotates_what_the_patch_returns_gets_the_same_bits(rope):
+def test_the_attn1_form_answers_a_host_that_rotates_what_it_returns(rope):
     """Upstream ComfyUI's Qwen-Image rotates q and k by the returned ``pe`` with no None
     check: the answer must be valid there too, and give the bits of a host that checks."""
-    config = defaults(method="downsample", policy="fixed", rope=rope)
-    checks = nodes.ToMePatch().patch(flux_model(), **config)[0]
+    checks = attn1_form(flux_model(), rope=rope)
     always_base = flux_model(rope_always=True)
-    always = nodes.ToMePatch().patch(always_base, **config)[0]
-    out = flux_run(always)
-    assert torch.isfinite(out).all() and not torch.equal(out, flux_run(always_base))
-    assert torch.equal(out, flux_run(checks))
+    always = attn1_form(always_base, rope=rope)
+    out = flux_run(always, size=(16, 16))  # no latent size given: a square grid is read
+    assert torch.isfinite(out).all() and not torch.equal(out, flux_run(always_base, size=(16, 16)))
+    assert torch.equal(out, flux_run(checks, size=(16, 16)))
 
 
 def test_dit_patch_matches_a_hand_written_reference():
@@ -431,51 +698,6 @@ def test_dit_patch_matches_a_hand_written_reference():
         torch.testing.assert_close(out["v"], pool(v))
 
 
-def test_dit_blocks_setting_and_window(lines):
-    base = flux_model()
-    ref = flux_run(base)
-    (doubles,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
-                                                          blocks="double"))
-    (late,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
-                                                       start=0.5))
-    assert not torch.equal(flux_run(doubles), ref)
-    assert torch.equal(flux_run(late, sigma=0.9), ref)  # progress 0.1: before the window
-    assert not torch.equal(flux_run(late, sigma=0.2), ref)
-
-
-def test_merge_on_a_dit_passes_through_with_one_line(lines):
-    base = flux_model()
-    (out,) = nodes.ToMePatch().patch(base, **defaults(method="merge"))
-    assert out is base and "merge has no DiT form" in lines[-1] and "passes through" in lines[-1]
-
-
-def test_a_flux_whose_blocks_call_no_patches_is_said_once(lines):
-    """ComfyUI 0.8.0's Flux blocks never call attn1 patches: nothing pooled, one line."""
-    base = flux_model(calls_patches=False)
-    ref = flux_run(base)
-    (ours,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed"))
-    assert torch.equal(flux_run(ours), ref) and torch.equal(flux_run(ours), ref)
-    said = [line for line in lines if "never called the attn1 patch" in line]
-    assert len(said) == 1
-
-
-def test_comfy_qwen_image_is_read_as_a_dit_and_diffusers_qwen_is_named():
-    """ComfyUI's Qwen-Image calls the same DiT form as its Flux: read as a DiT of double
-    blocks; the diffusers class of the same name is not (no adapter for it)."""
-    from tome import layout
-
-    def qwen(module):
-        cls = type("QwenImageTransformer2DModel", (torch.nn.Module,), {"__module__": module})
-        m = cls()
-        m.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-        m.pe_embedder, m.patch_size = torch.nn.Identity(), 2
-        return m
-    read = layout.read(qwen("comfy.ldm.qwen_image.model"))
-    assert read.family == "comfy qwen-image" and [b.kind for b in read.blocks] == ["double"] * 3
-    with pytest.raises(layout.UnsupportedModelError, match="QwenImageTransformer2DModel"):
-        layout.read(qwen("diffusers.models.transformers.transformer_qwenimage"))
-
-
 # ----------------------------------------------------------------------------- the step window
 
 def merged_steps(patched, base, outs=None):
@@ -517,19 +739,6 @@ def test_the_window_merges_its_part_of_the_steps(lines, method, start, end, expe
                                                          "in 2 of 4 steps"
 
 
-def test_a_flux_window_is_cut_where_its_shifted_schedule_is():
-    """Flux's sigmas are shifted (4 steps: 1.0, 0.905, 0.760, 0.513): progress 0.45 is sigma
-    0.794, so the last two steps merge; 1 - sigma would have put only the last inside."""
-    from comfy.model_sampling import simple_sigmas
-    base = flux_model()
-    schedule = simple_sigmas(ModelSamplingFlux(shift=1.15), 4)
-    (late,) = nodes.ToMePatch().patch(base, **defaults(method="downsample", policy="fixed",
-                                                       start=0.45))
-    merged = [not torch.equal(flux_run(late, sigma=float(s)), flux_run(base, sigma=float(s)))
-              for s in schedule[:-1]]
-    assert merged == [False, False, True, True]
-
-
 def test_without_model_sampling_the_window_uses_sds_schedule(lines):
     base = model()
     del base.model.model_sampling
@@ -538,15 +747,3 @@ def test_without_model_sampling_the_window_uses_sds_schedule(lines):
     merged = [not torch.equal(unet_call(ours, x, t, ctx, s), unet_call(base, x, t, ctx, s))
               for s in (14.6146, 2.9183, 0.9324, 0.0292)]
     assert merged == [True, True, False, False]
-
-
-def test_flux_pools_from_its_schedule_window(lines):
-    """A schedule's window is the form's step window (the fast preset's DiT point without
-    reuse is this one): with Flux's shift, progress 0.3 is sigma 0.88, so a step at 0.9 runs
-    unpooled and one at 0.5 pooled."""
-    base = flux_model()
-    (fast,) = nodes.ToMePatch().patch(base, **defaults(
-        method="downsample", schedule="all:2@0.3-1", policy="fixed"))
-    assert torch.equal(flux_run(fast, sigma=0.9), flux_run(base, sigma=0.9))
-    assert not torch.equal(flux_run(fast, sigma=0.5), flux_run(base, sigma=0.5))
-    assert any(line.startswith("ToMe DiT: x2 in all blocks, steps 0.3-1") for line in lines)

@@ -1,8 +1,10 @@
 """The one choice of adapter: from what a model is (its ``Layout``) and what its host offers.
 
-Three adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
-processors on a diffusers or A1111 DiT (``processors.py``), and the ModelPatcher's attn1 patch
-of the Forge family and ComfyUI (``patcher.py``: a UNet form and ComfyUI's DiT call form).
+Four adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
+processors on a diffusers or A1111 DiT (``processors.py``), the ModelPatcher's attn1 patch
+of the Forge family and ComfyUI (``patcher.py``: a UNet form and ComfyUI's DiT call form), and
+ComfyUI's attention override for its DiTs (``override.py``, installed per model call by an
+``apply_model`` wrapper; each family says how a call places its tokens: ``COMFY_SPANS``).
 Which one patches a model, and how its blocks run merged when measured, is decided here and
 nowhere else, from the layout and the host's contract: plain modules (A1111, SD.Next,
 diffusers, the library) or a ModelPatcher. The library's ``apply_patch``, the WebUI's patching
@@ -14,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import patch, patcher, processors
+from . import override, patch, patcher, processors
 from .config import ToMeConfig
+from .dits import comfy_flux, comfy_qwen, comfy_wan
 from .layout import Layout, read
 from .report import STATE_ATTR, PatchReport
 
@@ -89,6 +92,25 @@ def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
         return unet_patcher, done.report
     layout = read(getattr(unet_patcher, "model", None))
     if layout.dit is not None:
+        spans = COMFY_SPANS.get(layout.family)
+        if spans is not None and hasattr(unet_patcher, "add_wrapper_with_key"):
+            sampling = patcher.model_sampling(unet_patcher)
+            return override.patch(unet_patcher, layout, config, spans,
+                                  getattr(sampling, "percent_to_sigma", None))
         return patcher.patch_dit(unet_patcher, layout, config)
     return patcher.patch_unet(unet_patcher, layout, config, sampling_patcher, measurer,
                               runner(layout, MODEL_PATCHER))
+
+
+# ----------------------------------------------------------------------------- ComfyUI calls
+
+def _spans(read: Callable) -> Callable:
+    """A family's reading of a ComfyUI model call as ``override.Spans`` (plain ints)."""
+    def spans_of(model: Any, x: Any, context: Any, conds: dict) -> override.Spans | None:
+        found = read(model, x, context, conds)
+        return None if found is None else override.Spans(*found)
+    return spans_of
+
+
+# ComfyUI's DiT families -> how a model call places its tokens (the families' ``spans``).
+COMFY_SPANS = {f.FAMILY.name: _spans(f.spans) for f in (comfy_flux, comfy_qwen, comfy_wan)}

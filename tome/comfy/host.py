@@ -6,7 +6,8 @@ inside a function, so the layer imports (and its tests run) without ComfyUI.
 - ``cache_path`` and ``measuring_service``: one measuring service per process, its cache file
   under ComfyUI's user directory (``<user>/tome/measurements.json``);
 - ``progress``: ComfyUI's progress bar while measuring;
-- ``load_for_sampling``: the model on its sampling device before the measure node times it.
+- ``load_for_sampling``: the model on its sampling device before the measure node times it;
+- ``attention_override``: whether this ComfyUI has the attention override DiTs are pooled by.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def measuring_service() -> Measurer:
     if not _services:
         _services.append(survey.service(cache_path().parent, console, progress))
     return _services[0]
+
+
+def attention_override() -> bool:
+    """Whether this ComfyUI's attention backends honour
+    ``transformer_options["optimized_attention_override"]`` (``wrap_attn``, ComfyUI 0.3.60
+    and later); True where ComfyUI cannot be imported (the library's own tests)."""
+    try:
+        import comfy.ldm.modules.attention as attention
+    except Exception:  # noqa: BLE001 (not inside ComfyUI)
+        return True
+    return hasattr(attention, "wrap_attn")
 
 
 def load_for_sampling(model_patcher: Any) -> Any:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, patcher, policy
+from .. import adapters, override, patcher, policy
 from ..config import ToMeConfig, resolved
 from ..layout import UnsupportedModelError
 from . import host, inputs, measure_node
@@ -46,17 +46,25 @@ class SamplingGuard:
 
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
         args = list(args)
-        positional = len(args) > 5  # UNetModel.forward(x, timesteps, context, y, control, to)
-        options = args[5] if positional else kwargs.get("transformer_options")
+        # transformer_options: a keyword, or the last positional dict (after ``control``, a
+        # dict too): UNetModel (x, timesteps, context, y, control, to), Flux (x, timestep,
+        # context, y, guidance, ref_latents, control, to), Wan (x, timestep, context,
+        # clip_fea, time_dim_concat, to), Qwen-Image (x, timestep, context, attention_mask,
+        # ref_latents, additional_t_cond, to)
+        at = None
+        for i, a in enumerate(args):
+            if isinstance(a, dict):
+                at = i
+        options = kwargs.get("transformer_options") if at is None else args[at]
         if isinstance(options, dict):
-            self._tell_window(options)
+            self.tell_window(options)
             options = self._without_tomesd(options)
             x = args[0] if args else kwargs.get("x")
             if hasattr(x, "shape"):  # a DiT's token grid; the UNet form ignores it
                 options = {**options, patcher.LATENT_KEY: tuple(x.shape[-2:])}
             self.view.model_options = {"transformer_options": options}
-            if positional:
-                args[5] = options
+            if at is not None:
+                args[at] = options
             else:
                 kwargs["transformer_options"] = options
         out = executor(*args, **kwargs)
@@ -65,7 +73,7 @@ class SamplingGuard:
             self.say(self.patch.SILENT)
         return out
 
-    def _tell_window(self, options: dict) -> None:
+    def tell_window(self, options: dict) -> None:
         """At a pass's first step, one line: which of its steps the start/end window merges
         (from the sampler's schedule, ``sample_sigmas``)."""
         schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
@@ -110,10 +118,12 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
             "self-attention)")
     base = model
     ours, foreign = patcher.carried(model)
-    if ours or foreign:
+    wrapped = override.carried(model)
+    if ours or foreign or wrapped:
         base = model.clone()
         patcher.strip(base, lambda fn: patcher.is_ours(fn) or patcher.is_tomesd(fn))
-        what = "an earlier ToMe node's patch" if ours else ""
+        override.strip(base)
+        what = "an earlier ToMe node's patch" if ours or wrapped else ""
         if foreign:
             what += (" and " if what else "") + "ComfyUI's built-in TomePatchModel"
         say(f"ToMe: the model already carried {what}; this node replaces it, so tokens are "
@@ -128,18 +138,28 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if report.nothing:
         say(f"{report.nothing}; {PASSES}")
         return model
-    guard.patch = getattr(clone, patcher.MARK, None)
+    mark = getattr(clone, patcher.MARK, None)
+    if report.adapter == override.ADAPTER:
+        if not host.attention_override():
+            say(f"ToMe: this ComfyUI has no attention override (added in 0.3.60), so DiTs are "
+                f"not pooled; update ComfyUI; {PASSES}")
+            return model
+        mark.on_silent = lambda: say(mark.SILENT)
+    else:
+        guard.patch = mark
     if not report.planner.window.full:
         guard.window = report.planner.window
-    if hasattr(clone, "add_wrapper_with_key"):
+    if report.adapter == override.ADAPTER:  # its apply_model wrapper, outside a compiled model
+        mark.on_call = guard.tell_window
+    elif hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
     if config.policy == "auto":
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
     say(report.summary())
     if report.kind == "DiT":  # what the settings resolved to here, and what this form lacks
-        limits = guard.patch.limits
-        say(f"ToMe DiT: {resolved(guard.patch.applied, report.kind, report.rope)}"
+        limits = mark.limits
+        say(f"ToMe DiT: {resolved(mark.applied, report.kind, report.rope)}"
             + (f" (this ComfyUI form cannot apply: {', '.join(limits)})" if limits else ""))
     return clone
 

@@ -1,12 +1,15 @@
 """ComfyUI's Flux (and its stand-in's): ``double_blocks`` then ``single_blocks``; [text,
-image]; sigmas in [0, 1]. Pooled through the attn1 patch's DiT call form (``patcher.py``), so
-only its reader is here. ComfyUI's own DiTs call attn1 patches (Forge Neo's copies, in
-``backend.nn``, call none): recognised by their package and RoPE embedder."""
+image, reference images]; sigmas in [0, 1]. Pooled through ComfyUI's attention override
+(``override.py``): ``spans`` says where a model call's image tokens sit. ComfyUI's own DiTs
+(Forge Neo's copies, in ``backend.nn``, are not these): recognised by their package and RoPE
+embedder."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 from torch import nn
 
 from .family import Dit, Family
@@ -23,3 +26,21 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 FAMILY = Family("comfy flux", lambda m: comfy(m) and hasattr(m, "double_blocks")
                 and hasattr(m, "single_blocks"), read)
+
+
+def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
+    """Where a ComfyUI ``apply_model`` call's tokens sit in joint attention (Flux, Kontext,
+    Qwen-Image): ``(text, text_first, before, frames, h, w, after)`` (``override.Spans``), or
+    None. The latent is ``[B, C, H, W]`` (Flux) or ``[B, C, T, H, W]`` (Qwen-Image), packed
+    ``patch x patch`` (padded up); the text is the conditioning's length; each reference
+    latent (``ref_latents``: Kontext, Qwen-Image edit) follows the image, unpooled."""
+    if x.dim() not in (4, 5) or not isinstance(context, torch.Tensor) or context.dim() != 3:
+        return None
+    p = int(getattr(model, "patch_size", 2))
+
+    def tokens(t: torch.Tensor) -> tuple[int, int, int]:
+        return (int(t.shape[2]) if t.dim() == 5 else 1, math.ceil(t.shape[-2] / p),
+                math.ceil(t.shape[-1] / p))
+
+    after = sum(math.prod(tokens(r)) for r in conds.get("ref_latents") or ())
+    return (int(context.shape[1]), True, 0, *tokens(x), after)

@@ -1,5 +1,6 @@
-"""ComfyUI's Qwen-Image: ``transformer_blocks`` (all double-stream), the same DiT call form
-and RoPE matrices as its Flux (``patcher.py``); [text, image]; sigmas in [0, 1]."""
+"""ComfyUI's Qwen-Image: ``transformer_blocks`` (all double-stream), joint attention over
+[text, image, reference images] like its Flux, on a 5-D latent (``[B, C, 1, H, W]``; its
+calls are read by ``comfy_flux.spans``); sigmas in [0, 1]."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .comfy_flux import comfy
+from .comfy_flux import comfy, spans  # noqa: F401 (its call reading)
 from .family import Dit, Family
 
 

@@ -53,3 +53,9 @@ class ModelPatcher:
 
     def add_wrapper_with_key(self, wrapper_type, key, wrapper):
         self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def remove_wrappers_with_key(self, wrapper_type, key):
+        self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+    def get_wrappers(self, wrapper_type, key):
+        return self.wrappers.get(wrapper_type, {}).get(key, [])

@@ -179,3 +179,30 @@ class DiTModel(torch.nn.Module):
         for b in self.double_blocks:
             img = b(txt, img, transformer_options)
         return img
+
+
+def dit_sample(patcher, noise, context, sigmas, **conds):
+    """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
+    ComfyUI 0.8.0 makes it: the patcher's wrappers merged into the sampling options'
+    ``transformer_options["wrappers"]`` and ``sample_sigmas`` set once; per step a fresh
+    ``transformer_options`` (the options' nested dicts copied, their other values shared)
+    with ``cond_or_uncond`` and ``sigmas`` (this step's sigma per image), then
+    ``model.apply_model(x, sigma, c_crossattn=context, transformer_options=...,
+    **conds)``. The latent starts as ``sigmas[0] * noise`` (an empty latent). Returns the
+    final latent."""
+    from comfy.patcher_extension import copy_nested_dicts, merge_nested_dicts
+    options = copy_nested_dicts(patcher.model_options)
+    to = options.setdefault("transformer_options", {})
+    merge_nested_dicts(to.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
+    to["sample_sigmas"] = sigmas
+    model = patcher.model
+    x = noise * sigmas[0]
+    for i in range(len(sigmas) - 1):
+        sigma = sigmas[i].expand(x.shape[0])
+        call = merge_nested_dicts({}, to, copy_dict1=False)
+        call["cond_or_uncond"] = [0] * x.shape[0]
+        call["sigmas"] = sigma
+        denoised = model.apply_model(x, sigma, c_crossattn=context, transformer_options=call,
+                                     **conds)
+        x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+    return x

@@ -1,0 +1,201 @@
+"""The attention override (``tome/override.py``) on its own: which calls it pools, what it
+hands the backend (hand-written references), chaining, the bias as a mask and as an extra
+channel, and one compiled graph per state. The node around it is in ``test_comfy.py``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tome import override
+from tome.override import CallState, KvPool, Spans
+
+
+def backend(seen: list | None = None, masks: bool = True):
+    """A ComfyUI-like backend ``(q, k, v, heads, mask=None, skip_reshape=False,
+    skip_output_reshape=False, **kw)``, recording the key length (and mask) it gets."""
+    def attention_pytorch(q, k, v, heads, mask=None, skip_reshape=False,
+                          skip_output_reshape=False, **kwargs):
+        if not skip_reshape:
+            q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        if seen is not None:
+            seen.append((k.shape[2], mask))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masks else None)
+        return out if skip_output_reshape else out.transpose(1, 2).flatten(2)
+    if not masks:
+        attention_pytorch.__name__ = "attention_sage"
+    return attention_pytorch
+
+
+def state(text=3, h=4, w=6, frames=1, before=0, after=0, factors=(2, 2), doubles=1,
+          proportional=False):
+    return CallState(Spans(text, True, before, frames, h, w, after), factors, doubles,
+                     proportional)
+
+
+def call(pool, func, q, k, v, st, prev=None, **kw):
+    before = override.activate(pool, st, prev)
+    try:
+        return pool(func, q, k, v, 2, **kw)
+    finally:
+        override.restore(before)
+
+
+def cells(x, start, h, w, frames=1, dim=2):
+    """Hand-written 2x2 cell means of ``[frames, h, w]`` tokens at ``start`` along ``dim``."""
+    x = x.movedim(dim, 0)
+    img = x[start:start + frames * h * w].reshape(frames, h, w, *x.shape[1:])
+    out = [img[f, i:i + 2, j:j + 2].mean((0, 1)) for f in range(frames)
+           for i in range(0, h, 2) for j in range(0, w, 2)]
+    rest = x[start + frames * h * w:]
+    return torch.cat([x[:start], torch.stack(out), rest]).movedim(0, dim)
+
+
+def test_spans_tell_joint_image_only_and_other_lengths():
+    s = Spans(5, True, 0, 1, 4, 6, after=8)
+    assert s.image == 24 and s.start(5 + 24 + 8) == 5 and s.start(24 + 8) == 0
+    assert s.start(24) is None and s.start(40) is None
+    assert Spans(5, False, 0, 1, 4, 6).start(29) == 0  # [image, text]
+    assert Spans(0, True, 12, 3, 4, 6).start(12 + 72) == 12  # Wan: a reference first
+    st = state(factors=(2, 0, 4), doubles=2)
+    assert (st.factor("double", 0), st.factor("double", 1), st.factor("single", 0)) == (2, 0, 4)
+    assert st.factor("single", 5) == 0 and st.factor(None, None) == 0
+    assert state(factors=(2, 2)).factor(None, None) == 2
+
+
+def test_joint_call_pools_the_image_span_only():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3 + 24, 8) for _ in range(3))
+    seen = []
+    pool = KvPool()
+    out = call(pool, backend(seen), q, k, v, state(), skip_reshape=True)
+    assert seen[0][0] == 3 + 6
+    ref = F.scaled_dot_product_attention(q, cells(k, 3, 4, 6), cells(v, 3, 4, 6))
+    torch.testing.assert_close(out, ref.transpose(1, 2).flatten(2))
+    assert pool.flags["fired"]
+
+
+def test_image_only_layout_b_s_hd_with_heads_as_a_keyword_and_frames():
+    """Wan's call: [B, S, heads * D], ``heads=`` by name, three frames pooled per frame."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3 * 24, 16) for _ in range(3))
+    seen = []
+    pool = KvPool()
+    st = state(text=0, frames=3, factors=(2,))
+    before = override.activate(pool, st, None)
+    try:
+        out = pool(backend(seen), q, k, v, heads=2, transformer_options={"block_index": 0})
+    finally:
+        override.restore(before)
+    assert seen[0][0] == 3 * 6
+    kp, vp = cells(k, 0, 4, 6, 3, dim=1), cells(v, 0, 4, 6, 3, dim=1)
+    ref = backend()(q, kp, vp, 2)
+    torch.testing.assert_close(out, ref)
+
+
+def test_cross_attention_masks_unknown_lengths_and_unpooled_blocks_pass_through():
+    torch.manual_seed(2)
+    pool, seen = KvPool(), []
+    q = torch.randn(1, 2, 27, 8)
+    kv = torch.randn(1, 2, 5, 8)
+    func = backend(seen)
+    exact = func(q, kv, kv, 2, skip_reshape=True)
+    assert torch.equal(call(pool, func, q, kv, kv, state(), skip_reshape=True), exact)  # cross
+    mask = torch.zeros(1, 1, 27, 27)
+    x = torch.randn(1, 2, 27, 8)
+    assert torch.equal(call(pool, func, x, x, x, state(), skip_reshape=True, mask=mask,
+                            transformer_options={"block_type": "double", "block_index": 0}),
+                       func(x, x, x, 2, skip_reshape=True, mask=mask))
+    assert pool.skipped == [(("double", 0), "an attention mask (pooling would misalign it)")]
+    y = torch.randn(1, 2, 30, 8)  # a length this call does not have
+    assert torch.equal(call(pool, func, y, y, y, state(), skip_reshape=True),
+                       func(y, y, y, 2, skip_reshape=True))
+    unpooled = {"block_type": "single", "block_index": 0}  # factor 0 there
+    assert torch.equal(call(pool, func, x, x, x, state(factors=(2, 0)), skip_reshape=True,
+                            transformer_options=unpooled), func(x, x, x, 2, skip_reshape=True))
+    assert torch.equal(call(pool, func, x, x, x, None, skip_reshape=True),
+                       func(x, x, x, 2, skip_reshape=True))
+    assert 3 + 6 not in [n for n, _ in seen]  # none of those was pooled
+
+
+def test_an_override_already_there_is_chained_with_the_pooled_tensors():
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 27, 8) for _ in range(3))
+    got = []
+
+    def sage_node(func, *args, **kwargs):  # a node's override that calls the backend
+        got.append(args[1].shape[2])
+        return func(*args, **kwargs)
+
+    func = backend()
+    out = call(KvPool(), func, q, k, v, state(), prev=sage_node, skip_reshape=True)
+    assert got == [9]
+    torch.testing.assert_close(out, call(KvPool(), func, q, k, v, state(), skip_reshape=True))
+
+
+def test_the_bias_as_a_mask_or_as_an_extra_channel_gives_the_same_attention():
+    """Proportional attention: ``log(cell size)`` on pooled keys. A backend taking masks gets
+    it as a [1, 1, 1, S'] mask; one dropping masks (Sage), or an override chained without
+    knowing its kernel, gets one extra query/key channel instead."""
+    torch.manual_seed(4)
+    st = state(h=4, w=5, proportional=True)  # a partial edge cell: counts 4, 4, 2, ...
+    n = 3 + 20
+    for layout in ("bhsd", "bshd"):
+        shape, kw = ((1, 2, n, 8), {"skip_reshape": True}) if layout == "bhsd" \
+            else ((1, n, 16), {})
+        q, k, v = (torch.randn(*shape) for _ in range(3))
+        seen = []
+        masked = call(KvPool(), backend(seen), q, k, v, st, **kw)
+        assert seen[0][1].shape == (1, 1, 1, 3 + 6)
+        dim = 2 if layout == "bhsd" else 1
+        sizes = torch.tensor([1.0] * 3 + [4, 4, 2, 4, 4, 2])
+        q4, kp, vp = (t if layout == "bhsd" else t.unflatten(-1, (2, -1)).transpose(1, 2)
+                      for t in (q, cells(k, 3, 4, 5, dim=dim), cells(v, 3, 4, 5, dim=dim)))
+        ref = F.scaled_dot_product_attention(q4, kp, vp, attn_mask=sizes.log().view(1, 1, 1, -1))
+        torch.testing.assert_close(masked, ref.transpose(1, 2).flatten(2))
+        channel = call(KvPool(), backend(masks=False), q, k, v, st, **kw)
+        torch.testing.assert_close(channel, masked, atol=1e-5, rtol=1e-4)
+        chained = call(KvPool(), backend(), q, k, v, st,
+                       prev=lambda f, *a, **k2: f(*a, **k2), **kw)
+        torch.testing.assert_close(chained, masked, atol=1e-5, rtol=1e-4)
+        out4 = call(KvPool(), backend(masks=False), q, k, v, st, skip_output_reshape=True, **kw)
+        torch.testing.assert_close(out4.transpose(1, 2).flatten(2), masked, atol=1e-5, rtol=1e-4)
+
+
+def test_progress_inverts_percent_to_sigma():
+    shift = lambda p: 0.0 if p >= 1 else 1.15 * (1 - p) / (1 + 0.15 * (1 - p))  # noqa: E731
+    for p in (0.0, 0.3, 0.5, 0.9):
+        assert abs(override.progress_of(shift(p), shift) - p) < 1e-6
+
+
+def test_compiled_calls_recompile_once_per_state_and_follow_it():
+    """The state is read from the module slot, which a compiled graph guards on even where
+    every guard on ``transformer_options`` is dropped (ComfyUI's TorchCompileModel): one graph
+    per state, and a state seen before reuses its graph."""
+    import torch._dynamo.testing
+
+    pool = KvPool()
+    func = backend()
+
+    def model(x, transformer_options):
+        q = k = v = x.unflatten(-1, (2, -1)).transpose(1, 2)
+        return transformer_options["optimized_attention_override"](
+            func, q, k, v, 2, skip_reshape=True, transformer_options=transformer_options)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    skip = {"guard_filter_fn": lambda entries: ["transformer_options" not in e.name
+                                                for e in entries]}
+    compiled = torch.compile(model, backend=counter, options=skip)
+    torch._dynamo.reset()
+    x = torch.randn(1, 27, 16)
+    states = [state(), state(), None, state(), state(factors=(4, 4)), None, state()]
+    for st in states:
+        before = override.activate(pool, st, None)
+        try:
+            to = {"optimized_attention_override": pool, "block_index": 0, "block_type": "double"}
+            got = compiled(x, to)
+            want = model(x, to)
+        finally:
+            override.restore(before)
+        assert torch.equal(got, want)
+    assert counter.frame_count == 3  # x2, unpooled, x4
