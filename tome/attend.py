@@ -106,16 +106,17 @@ class Reuse:
 
 def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor, start: int, dim: int, emb: Any = None,
-            rotate: Any = None) -> torch.Tensor:
+            rotate: Any = None, positions: Any = None) -> torch.Tensor:
     """Attention with the image keys/values pooled (``kernel(q, k, v, bias)``), the
     proportional bias where the plan has it, and the residual reuse where the patch has it.
     Queries are rotated by ``emb``; keys get their positions per ``plan.rope``
-    (``DitPlan.keys``)."""
+    (``DitPlan.keys``); ``positions(emb)``: the pooled embedding (default: diffusers'
+    ``(cos, sin)`` of ``[S, D]``, pooled on the plan's grid)."""
     n = k.shape[dim]
     if emb is not None:
         q = rotate(q, emb)
-        kp = plan.keys(k, start, dim, emb, rotate, lambda e: dit.pool_cos_sin(
-            e[0], e[1], start, plan.h, plan.w, plan.factor))
+        kp = plan.keys(k, start, dim, emb, rotate,
+                       positions or (lambda e: plan.cos_sin(e, start)))
         # the full keys, rotated, only where reuse runs the unpooled attention
         k = None if wrapper is None or not wrapper.source.reuse.every else rotate(k, emb)
     else:

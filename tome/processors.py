@@ -18,14 +18,13 @@ pools, the schedule which factor each block gets. Nothing here names a family.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import attend as _attend
-from . import dit, dits
+from . import dit, dits, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Block, Layout
@@ -90,9 +89,9 @@ class _Hooks:
             t = t * d.timestep_scale
         st.plans, st.p = {}, None
         call = st.planner.begin(size, x.device, t, x.shape[0])
-        if call is not None:
-            h, w = math.ceil(size[0] / d.patch), math.ceil(size[1] / d.patch)
-            st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], h * w, 1))
+        if call is not None:  # an image's h x w tokens, a video's frames x h x w
+            n = policy.level_tokens(size, d.patch)
+            st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
             if st.plan is not None and read and t is not None:
                 # The one host read of a call (as the planner's window), only where needed.
                 tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
@@ -115,31 +114,75 @@ class PoolingProcessor:
     state dict stay as they were). ``source`` gives block ``index``'s plan (``plan_for``), the
     text length and the reuse state (a patch's state, or a fixed plan when measuring);
     ``maths`` (``dits.Family.maths``; default: the registered maths for the original's
-    class) runs a pooled call. The signature is diffusers' processor convention: diffusers
-    hands a processor only the keywords its signature names."""
+    class) runs a pooled call with the encoder states and rotary embedding, and as keywords
+    any other argument the original names that was given (e.g. a text mask). Every other
+    call goes to the original exactly as it came. diffusers' ``Attention`` hands a processor
+    only the keywords its signature names, so each wrapper shows its original's signature
+    (a subclass per original class, ``_signed``)."""
+
+    _names: tuple[str, ...] = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
+
+    def __new__(cls, original: Any = None, *args: Any, **kwargs: Any) -> PoolingProcessor:
+        signed = cls is PoolingProcessor and original is not None
+        return super().__new__(_signed(type(original)) if signed else cls)
 
     def __init__(self, original: Any, source: Any, maths: Any = None, index: int = 0,
                  kind: str = "double"):
         self.original, self.source = original, source
         self.maths = maths if maths is not None else _maths_of(original)
         self.index, self.kind = index, kind
+        self._extra = self.maths is not None and _takes_extra(self.maths)
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: Any = None, **kwargs: Any) -> Any:
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Any:
         plan = self.source.plan_for(self.index, self.kind)
-        if plan is not None and attention_mask is None and not kwargs \
-                and self.maths is not None:
-            out = self.maths(self, attn, plan, hidden_states, encoder_hidden_states,
-                             image_rotary_emb)
-            if out is not NotImplemented:
-                return out
-        if image_rotary_emb is not None:
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 image_rotary_emb, **kwargs)
-        return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                             **kwargs)
+        if plan is not None and self.maths is not None:
+            named = dict(zip(self._names, args), **kwargs)
+            ehs = named.pop("encoder_hidden_states", None)
+            emb = named.pop("image_rotary_emb", None)
+            emb = named.pop("rotary_emb", None) if emb is None else emb
+            extra = {k: v for k, v in named.items() if v is not None}
+            if not extra or self._extra:
+                out = self.maths(self, attn, plan, hidden_states, ehs, emb, **extra)
+                if out is not NotImplemented:
+                    return out
+        return self.original(attn, hidden_states, *args, **kwargs)
+
+
+_SIGNED: dict[type, type] = {}
+
+
+def _signed(original: type) -> type:
+    """The ``PoolingProcessor`` subclass for processors of class ``original``: its call shows
+    the original's signature (what diffusers filters a call's keywords by) and knows its
+    parameter names after ``(attn, hidden_states)``; whether the maths take extra keywords
+    (``_extra``) is read per instance."""
+    import inspect
+
+    cls = _SIGNED.get(original)
+    if cls is None:
+        try:
+            sig = inspect.signature(original.__call__)
+        except (TypeError, ValueError):
+            sig = inspect.signature(PoolingProcessor.__call__)
+        params = list(sig.parameters)
+
+        def call(self: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tensor,
+                 *args: Any, **kwargs: Any) -> Any:
+            return PoolingProcessor.__call__(self, attn, hidden_states, *args, **kwargs)
+        call.__signature__ = sig  # type: ignore[attr-defined]
+        cls = _SIGNED[original] = type("PoolingProcessor", (PoolingProcessor,), {
+            "__call__": call, "__qualname__": "PoolingProcessor",
+            "_names": tuple(p for p in params[3:] if p not in ("args", "kwargs"))})
+    return cls
+
+
+def _takes_extra(maths: Any) -> bool:
+    import inspect
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(maths).parameters.values())
+    except (TypeError, ValueError):
+        return False
 
 
 # ----------------------------------------------------------------------------- blocks
