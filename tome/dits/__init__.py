@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from . import comfy_flux, comfy_qwen, comfy_wan, flux, mmdit, sd3, wan
+from . import comfy_flux, comfy_qwen, comfy_wan, flux, mmdit, qwen_image, sd3, wan
 from .family import Call, Dit, Family, by_class, latent_call
 
 __all__ = ["Call", "Dit", "Family", "by_class", "latent_call", "register", "unregister",
@@ -83,6 +83,6 @@ def attention(block: nn.Module) -> nn.Module | None:
 
 
 # The built-in families, in the order they are tried.
-BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, wan)
+BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan)
 for _module in BUILTIN:
     register(_module.FAMILY)
