@@ -501,6 +501,22 @@ def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
     assert torch.equal(sample(ours, "wan", latent=tiny), sample(base, "wan", latent=tiny))
 
 
+def test_calls_a_family_cannot_place_are_not_pooled():
+    """HunyuanVideo has Flux's blocks (read as Flux) but a 3-D patch and [image, text]: its
+    calls are not placed, so nothing is pooled there rather than pooling the wrong tokens."""
+    from types import SimpleNamespace
+
+    from tome import adapters
+    flux_spans = adapters.COMFY_SPANS["comfy flux"]
+    hunyuan = SimpleNamespace(patch_size=[1, 2, 2])
+    assert flux_spans(hunyuan, torch.zeros(1, 16, 3, 8, 8), torch.zeros(1, 5, 12), {}) is None
+    flux = SimpleNamespace(patch_size=2)
+    assert flux_spans(flux, torch.zeros(1, 16, 7, 9), torch.zeros(1, 5, 12),
+                      {"ref_latents": [torch.zeros(1, 16, 4, 4)]}) == \
+        override.Spans(5, True, 0, 1, 4, 5, 4)
+    assert flux_spans(flux, torch.zeros(1, 16, 8, 8), None, {}) is None
+
+
 def test_merge_on_a_dit_passes_through_with_one_line(lines):
     base = dit_model()
     (out,) = nodes.ToMePatch().patch(base, **defaults(method="merge"))

@@ -34,9 +34,10 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     None. The latent is ``[B, C, H, W]`` (Flux) or ``[B, C, T, H, W]`` (Qwen-Image), packed
     ``patch x patch`` (padded up); the text is the conditioning's length; each reference
     latent (``ref_latents``: Kontext, Qwen-Image edit) follows the image, unpooled."""
-    if x.dim() not in (4, 5) or not isinstance(context, torch.Tensor) or context.dim() != 3:
+    p = getattr(model, "patch_size", 2)
+    if x.dim() not in (4, 5) or not isinstance(context, torch.Tensor) or context.dim() != 3 \
+            or not isinstance(p, int):  # HunyuanVideo (its blocks are Flux's): [1, 2, 2]
         return None
-    p = int(getattr(model, "patch_size", 2))
 
     def tokens(t: torch.Tensor) -> tuple[int, int, int]:
         return (int(t.shape[2]) if t.dim() == 5 else 1, math.ceil(t.shape[-2] / p),
