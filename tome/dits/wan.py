@@ -37,14 +37,17 @@ def diffusers_class(*names: str):
 
 @dataclass(frozen=True)
 class VideoDit(Dit):
-    """A video DiT's facts: also its latent frames per token (Wan: 1)."""
+    """A video DiT's facts: also its latent frames per token (Wan: 1) and the text its
+    cross-attention reads (its self-attention, the pooled one, has none: ``text_tokens``
+    0)."""
 
     frame_patch: int = 1
+    context_tokens: int = TEXT_TOKENS
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
     p = tuple(getattr(model.config, "patch_size", (1, 2, 2)))
-    return VideoDit(int(p[-1]), False, TEXT_TOKENS, 1.0, True, int(p[0])), model.blocks, ()
+    return VideoDit(int(p[-1]), False, 0, 1.0, True, int(p[0])), model.blocks, ()
 
 
 def attentions(block: nn.Module) -> list[nn.Module]:
@@ -112,7 +115,7 @@ def inputs(layout: Any, x: torch.Tensor, size: tuple[int, ...]) -> tuple[tuple, 
     (the model's own ``rope``, which reads only the latent's shape)."""
     b, n, c = x.shape
     g = torch.Generator().manual_seed(n)
-    text = torch.randn(b, layout.dit.text_tokens, c, generator=g).to(x.device, x.dtype)
+    text = torch.randn(b, layout.dit.context_tokens, c, generator=g).to(x.device, x.dtype)
     temb = torch.randn(b, 6, c, generator=g).to(x.device, torch.float32)
     frames, height, width = size if len(size) == 3 else (1, *size)
     emb = layout.root.rope(x.new_empty(b, 0, frames * layout.dit.frame_patch, height, width))

@@ -1,0 +1,353 @@
+"""diffusers' Wan (video) and Qwen-Image as DiT families (``tome/dits/wan.py``,
+``tome/dits/qwen_image.py``) on tiny models built from configs with random weights."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from stubs import fake_clock
+
+import tome
+from tome import dit, layout, processors
+from tome.measurements import MeasurementCache, Measurer
+
+diffusers = pytest.importorskip("diffusers")
+F_, H, W, T = 3, 8, 12, 5   # latent frames, token grid per frame, text length
+
+
+def _randomise(model):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return _randomise(diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64))
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return _randomise(diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6)))
+
+
+def wan_inputs(seed=0, t=700.0, frames=F_, per_token=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, frames, 2 * H, 2 * W, generator=g)
+    ts = torch.full((2,), t)
+    if per_token:  # Wan 2.2 TI2V image-to-video: the first frame is the condition (t = 0)
+        ts = torch.full((2, frames * H * W), t)
+        ts[:, :H * W] = 0
+    return dict(hidden_states=x, timestep=ts,
+                encoder_hidden_states=torch.randn(2, 7, 16, generator=g))
+
+
+def qwen_inputs(seed=0, t=0.7, mask=False, reference=False):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [[(1, H, W)] + ([(1, 4, 6)] if reference else [])] * 2
+    n = H * W + (24 if reference else 0)
+    out = dict(hidden_states=torch.randn(2, n, 16, generator=g),
+               encoder_hidden_states=torch.randn(2, T, 24, generator=g),
+               timestep=torch.full((2,), t), img_shapes=shapes)
+    if mask:  # a batch of prompts of different lengths
+        out["encoder_hidden_states_mask"] = torch.tensor([[1] * T, [1] * (T - 2) + [0] * 2])
+    return out
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+class _Keys:
+    """Counts the key lengths of every attention kernel call (diffusers' native backend and
+    ToMe's both end in PyTorch's SDPA)."""
+
+    def __init__(self, monkeypatch):
+        self.lengths: list[int] = []
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(query, key, value, *args, **kwargs):
+            self.lengths.append(key.shape[-2])
+            return real(query, key, value, *args, **kwargs)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+
+# ----------------------------------------------------------------------------- Wan
+
+def test_wan_is_read_as_a_video_dit(wan):
+    lay = layout.read(wan)
+    assert lay.family == "diffusers wan" and lay.dit.patch == 2 and lay.dit.rope
+    assert [b.name for b in lay.blocks] == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_wan_pools_self_attention_only_and_removal_is_bit_exact(wan, rope, monkeypatch):
+    inputs = wan_inputs()
+    ref = run(wan, inputs)
+    tome.apply_patch(wan, method="downsample", downsample_factor=2, rope=rope)
+    try:
+        report = tome.patch_report(wan)
+        assert report.kind == "DiT" and report.patched_blocks == 2
+        assert all(isinstance(b.attn1.processor, processors.PoolingProcessor)
+                   and not isinstance(b.attn2.processor, processors.PoolingProcessor)
+                   for b in wan.blocks)
+        keys = _Keys(monkeypatch)
+        out = run(wan, inputs)
+        # self-attention: 3 frames of 4x6 pooled keys; cross-attention: the 7 text tokens
+        assert keys.lengths == [F_ * (H // 2) * (W // 2), 7] * 2
+        assert report.tokens == {2: (F_ * H * W, F_ * H * W - F_ * (H // 2) * (W // 2))}
+        assert not torch.equal(out, ref) and torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+        assert torch.equal(run(wan, inputs), out)  # same inputs, same bits
+    finally:
+        tome.remove_patch(wan)
+    assert torch.equal(run(wan, inputs), ref)
+    assert all(type(b.attn1.processor).__name__ == "WanAttnProcessor" for b in wan.blocks)
+
+
+def test_wan_factor_one_is_the_library_bit_for_bit(wan):
+    inputs = wan_inputs()
+    ref = run(wan, inputs)
+    tome.apply_patch(wan, method="downsample", downsample_factor=1)
+    try:
+        assert torch.equal(run(wan, inputs), ref)
+        assert tome.patch_report(wan).planner.tokens  # the pooled path ran
+    finally:
+        tome.remove_patch(wan)
+
+
+def _pool_frames(x, h, w, f, start=0):
+    """[B, S, C] with each frame's h x w tokens (after ``start``) averaged per f x f cell,
+    frame by frame, by explicit loops."""
+    n = (x.shape[1] - start) // (h * w)
+    out = [x[:, :start]]
+    for t in range(n):
+        img = x[:, start + t * h * w:start + (t + 1) * h * w].reshape(x.shape[0], h, w, -1)
+        out += [img[:, i:i + f, j:j + f].mean((1, 2))[:, None]
+                for i in range(0, h, f) for j in range(0, w, f)]
+    return torch.cat(out, 1)
+
+
+def _wan_rotate(x, cos, sin):
+    """RoPE by hand on interleaved pairs (Wan repeats each frequency over its pair)."""
+    x0, x1 = x[..., 0::2].double(), x[..., 1::2].double()
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2).float()
+
+
+@pytest.mark.parametrize("rope,proportional,f", [("pooled", False, 2), ("before", False, 2),
+                                                 ("pooled", True, 3)])
+def test_wan_self_attention_matches_a_hand_written_per_frame_reference(wan, rope,
+                                                                       proportional, f):
+    """One Wan self-attention call with keys/values pooled per frame, against the maths
+    written out: projections, RMS norms across heads, rotation, f x f cell means frame by
+    frame (the pooled positions: the cells' mean rotations, normalised), the log-cell-size
+    bias (partial cells at the bottom edge with f = 3), softmax."""
+    attn = wan.blocks[0].attn1
+    g = torch.Generator().manual_seed(3)
+    hs = torch.randn(2, F_ * H * W, 24, generator=g)
+    cos, sin = wan.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
+    plan = dit.DitPlan(H, W, f, rope, proportional, F_)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, 0))
+    with torch.no_grad():
+        out = wrapper(attn, hs, None, None, (cos, sin))
+
+        def heads(x):
+            return x.reshape(2, -1, attn.heads, 12)
+        q = heads(attn.norm_q(attn.to_q(hs)))
+        k = heads(attn.norm_k(attn.to_k(hs)))
+        v = heads(attn.to_v(hs))
+        c, s = cos[0, :, 0], sin[0, :, 0]  # [S, D]
+        q = _wan_rotate(q, c[None, :, None], s[None, :, None])
+        if rope == "before":
+            k = _wan_rotate(k, c[None, :, None], s[None, :, None])
+        kp = heads(_pool_frames(k.flatten(2), H, W, f))
+        vp = heads(_pool_frames(v.flatten(2), H, W, f))
+        if rope == "pooled":
+            pc, ps = (_pool_frames(e[None].float(), H, W, f)[0].double() for e in (c, s))
+            r = torch.sqrt(pc ** 2 + ps ** 2)
+            kp = _wan_rotate(kp, (pc / r)[None, :, None], (ps / r)[None, :, None])
+        assert kp.shape[1] == F_ * math.ceil(H / f) * math.ceil(W / f)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, kp) / math.sqrt(12)
+        if proportional:
+            counts = [min(f, H - i) * min(f, W - j) for i in range(0, H, f)
+                      for j in range(0, W, f)] * F_
+            scores = scores + torch.tensor(counts).log()
+        ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vp).flatten(2)
+        ref = attn.to_out[0](ref)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_wan_pooling_never_mixes_frames(wan):
+    """Per-frame cells: changing one frame's tokens changes only that frame's pooled keys."""
+    plan = dit.DitPlan(H, W, 2, "pooled", False, F_)
+    x = torch.randn(1, F_ * H * W, 4)
+    y = x.clone()
+    y[:, H * W:2 * H * W] += 1.0  # frame 1 only
+    px, py = plan.pool(x, 0, 1), plan.pool(y, 0, 1)
+    per = (H // 2) * (W // 2)
+    changed = (px - py).abs().sum(-1)[0] > 0
+    assert changed[per:2 * per].all() and not changed[:per].any() and not changed[2 * per:].any()
+
+
+def test_wan_ti2v_keeps_the_condition_frame_whole(wan, monkeypatch):
+    """A per-token timestep (Wan 2.2 TI2V): the first frame's keys stay as they are, the
+    others are pooled; the window reads a generated token's timestep, not the condition's 0."""
+    inputs = wan_inputs(per_token=True)
+    ref = run(wan, inputs)
+    tome.apply_patch(wan, method="downsample", start=0.0, end=0.5)  # t=700: progress 0.3
+    try:
+        keys = _Keys(monkeypatch)
+        out = run(wan, inputs)
+        assert keys.lengths[0] == H * W + (F_ - 1) * (H // 2) * (W // 2)
+        assert not torch.equal(out, ref) and torch.isfinite(out).all()
+    finally:
+        tome.remove_patch(wan)
+    tome.apply_patch(wan, method="downsample", start=0.5, end=1.0)  # outside the window
+    try:
+        assert torch.equal(run(wan, inputs), ref)
+    finally:
+        tome.remove_patch(wan)
+
+
+def test_wan_measuring_runs_one_block_on_the_video_grid(wan):
+    """What the auto policy times (``processors.runner`` with the family's inputs: the text,
+    the time projection, the model's own RoPE of the video grid): a block unpooled and
+    pooled per frame, its processors back as they were."""
+    run_block = processors.runner(layout.read(wan))
+
+    class Planner:
+        size = (F_, 2 * H, 2 * W)
+    x = torch.randn(1, F_ * H * W, 24, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = run_block(wan.blocks[0], x, None, Planner, None)
+        pooled = run_block(wan.blocks[0], x, None, Planner, dit.DitPlan(H, W, 2, "pooled",
+                                                                        False, F_))
+    assert full.shape == pooled.shape == x.shape
+    assert torch.isfinite(pooled).all() and not torch.equal(full, pooled)
+    assert type(wan.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"
+
+
+def test_wan_auto_policy_decides_per_video_size(wan, tmp_path):
+    """The auto policy decides once per video size (measured where the library times video
+    grids, else by the token thresholds) and pools exactly where it decided to."""
+    lines: list[str] = []
+    service = Measurer(MeasurementCache(tmp_path / "m.json", say=lines.append),
+                       say=lines.append, clock=fake_clock(1.5), rounds=3)
+    inputs = wan_inputs()
+    ref = run(wan, inputs)
+    tome.apply_patch(wan, method="downsample", policy="auto", measure=service)
+    try:
+        out = run(wan, inputs)
+        (decision,) = tome.patch_report(wan).decisions.values()
+        assert decision.tokens == F_ * H * W
+        assert torch.equal(out, ref) is not decision.merged
+    finally:
+        tome.remove_patch(wan)
+    assert torch.equal(run(wan, inputs), ref)
+
+
+def test_a_compiled_wan_is_one_graph_across_steps(wan):
+    """The grid is the latent's shape: the whole patched transformer compiles as one graph
+    (hooks included), gives the eager answer and does not recompile from step to step."""
+    model = copy.deepcopy(wan)
+    tome.apply_patch(model, method="downsample", proportional=True)
+    eager = [run(model, wan_inputs(t=t)) for t in (900.0, 500.0)]
+    torch._dynamo.reset()
+    fn = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = [fn(**wan_inputs(t=900.0)).sample]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out.append(fn(**wan_inputs(t=500.0)).sample)
+    for a, b in zip(out, eager):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- Qwen-Image
+
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_qwen_pools_and_removal_is_bit_exact(qwen, rope, monkeypatch):
+    inputs = qwen_inputs()
+    ref = run(qwen, inputs)
+    tome.apply_patch(qwen, method="downsample", rope=rope)
+    try:
+        report = tome.patch_report(qwen)
+        assert report.summary().startswith("ToMe: diffusers qwen-image DiT, downsample x2; 2/2")
+        keys = _Keys(monkeypatch)
+        out = run(qwen, inputs)
+        assert keys.lengths == [T + (H // 2) * (W // 2)] * 2
+        assert not torch.equal(out, ref) and torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+        assert torch.equal(run(qwen, inputs), out)
+    finally:
+        tome.remove_patch(qwen)
+    assert torch.equal(run(qwen, inputs), ref)
+    assert all(type(b.attn.processor).__name__ == "QwenDoubleStreamAttnProcessor2_0"
+               for b in qwen.transformer_blocks)
+
+
+@pytest.mark.parametrize("kw", [{}, {"mask": True}, {"reference": True}])
+def test_qwen_factor_one_is_the_library_bit_for_bit(qwen, kw):
+    """Text mask and an edit's reference image included: factor 1 runs the pooled path with
+    diffusers' own bits."""
+    inputs = qwen_inputs(**kw)
+    ref = run(qwen, inputs)
+    tome.apply_patch(qwen, method="downsample", downsample_factor=1)
+    try:
+        assert torch.equal(run(qwen, inputs), ref)
+        assert tome.patch_report(qwen).planner.tokens
+    finally:
+        tome.remove_patch(qwen)
+
+
+def test_qwen_keeps_reference_images_and_the_text_mask(qwen, monkeypatch):
+    """An edit's reference image (after the generated one) keeps all its keys; the text mask
+    still hides the padded text keys (changing them changes nothing)."""
+    inputs = qwen_inputs(mask=True, reference=True)
+    tome.apply_patch(qwen, method="downsample", proportional=True)
+    try:
+        keys = _Keys(monkeypatch)
+        out = run(qwen, inputs)
+        assert keys.lengths == [T + (H // 2) * (W // 2) + 24] * 2
+        other = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"].clone())
+        other["encoder_hidden_states"][1, -2:] += 5.0  # the masked text tokens of item 1
+        again = run(qwen, other)
+        torch.testing.assert_close(again[1], out[1], atol=1e-6, rtol=0)
+        assert torch.isfinite(out).all()
+    finally:
+        tome.remove_patch(qwen)
+
+
+def test_qwen_auto_policy_measures_its_blocks(qwen, tmp_path):
+    service = Measurer(MeasurementCache(tmp_path / "m.json", say=print), say=print,
+                       clock=fake_clock(1.01), rounds=3)
+    inputs = qwen_inputs()
+    ref = run(qwen, inputs)
+    tome.apply_patch(qwen, method="downsample", policy="auto", measure=service)
+    try:
+        assert torch.equal(run(qwen, inputs), ref)  # measured 1.01x: not pooled
+        (decision,) = tome.patch_report(qwen).decisions.values()
+        assert not decision.merged and "measured 1.01x" in decision.reason
+    finally:
+        tome.remove_patch(qwen)
+
+
+def test_other_qwen_and_wan_classes_are_not_these_families():
+    """ComfyUI's and Forge Neo's models of the same class names are not diffusers'."""
+    from tome import dits
+
+    class QwenImageTransformer2DModel(torch.nn.Module):
+        pass
+    assert dits.find(QwenImageTransformer2DModel()) is None
