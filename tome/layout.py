@@ -11,10 +11,10 @@ keyword its sub-layers take the context by, the family's name and, for a DiT, it
   own copies of that code);
 - ``read_diffusers``: a UNet with ``down_blocks`` / ``mid_block`` / ``up_blocks``;
 
-and the DiT readers are the families' (``tome/dits/``: diffusers Flux and SD3, A1111's SD3,
-ComfyUI's Flux and Qwen-Image), found through their registry. What differs between a UNet
-and a DiT for the rest of the library (the method a config runs, why it merges nothing, what
-measuring times) is asked of ``Layout.facts``: ``Unet`` here, ``dits.Dit`` there.
+and the DiT readers are the families' (``tome/dits/``, one file each), found through their
+registry (``dits.find``). What differs between a UNet and a DiT for the rest of the library
+(the method a config runs, why it merges nothing, what measuring times, a report's coverage)
+is asked of ``Layout.facts``: ``Unet`` here, ``dits.Dit`` there.
 
 ``read(model)`` finds the denoiser in whatever it is given (an ldm/sgm model, a diffusers
 pipeline, a bare UNet or DiT, a ModelPatcher's ``diffusion_model``), picks the reader, and owns

@@ -1,5 +1,6 @@
-"""Patching DiTs on plain modules (diffusers' Flux and SD3, A1111's SD3; ``adapters.py``
-chooses): the image tokens' keys and values pooled inside each chosen block's attention.
+"""Patching DiTs held as plain modules (diffusers' DiTs, A1111's SD3: the families with
+``Family.call``; ``adapters.py`` chooses): the image tokens' keys and values pooled inside
+each chosen block's attention.
 
 Pooling happens inside the attention processor call (projections, norms, text+image, RoPE,
 kernel). Each chosen module's processor is wrapped (``PoolingProcessor``): a call with no plan
@@ -9,7 +10,8 @@ unpatched model. A call with a plan runs the DiT family's maths (``tome/dits/``:
 library's processor with the image keys/values pooled, the proportional-attention bias and
 residual reuse from ``attend.py``); a processor the family does not reproduce (another
 library's, e.g. IP-Adapter's) leaves its block unpooled and reported. A family without
-processors (A1111's MMDiT) puts its own pooled path on the block (``Family.shadow``).
+processors (A1111's MMDiT) puts its own pooled path on the block (``Family.shadow``), and
+measuring runs a block on the family's inputs (``runner``, ``Family.inputs``).
 
 Per transformer call a pre-hook reads the call the family's way (``Family.call``: the latent
 grid, the text length, the timestep); the shared ``plan.Planner`` says whether this call
