@@ -135,6 +135,7 @@ def test_layout_reads_the_registered_family(toy):
     assert [(b.name, b.level, b.kind) for b in read.blocks] == [
         ("blocks.0", 2, "double"), ("blocks.1", 2, "double")]
     assert dits.find(model) is toy and dits.of(read) is toy
+    assert "; toy dit; not other DiTs" in str(layout.not_supported("Other"))  # named there
 
 
 def test_the_toy_family_pools_and_removal_is_bit_exact(toy, monkeypatch):

@@ -659,11 +659,11 @@ def test_measure_now_names_a_model_it_cannot_measure(monkeypatch, tmp_path, caps
     model.forge_objects.unet = Patcher(FluxLike())
     WebUI(model)
     page = _measure_now()
+    from tome.layout import dits_read
     assert page == ("<p>ToMe: FluxLike has no UNet transformer blocks to merge and is not a "
                     "DiT it can pool (ToMe merges SD1, SD2 and SDXL UNets and pools image "
-                    "keys/values in Flux and SD3 DiTs and in ComfyUI Qwen-Image; not other DiTs "
-                    "such as Qwen-Image in diffusers, Wan or Lumina, nor compiled or replaced "
-                    "models); nothing to measure.</p>")
+                    f"keys/values in the DiTs it reads: {dits_read()}; not other DiTs, nor "
+                    "compiled or replaced models); nothing to measure.</p>")
     assert "ToMe: Measure now: FluxLike has no UNet" in capsys.readouterr().out
 
 

@@ -44,15 +44,27 @@ class UnsupportedModelError(TypeError):
 
 def not_supported(name: str, found: bool = True) -> UnsupportedModelError:
     """The one message for a model ToMe cannot merge; ``found``: a denoiser was found in it
-    (else what was expected is said too)."""
+    (else what was expected is said too). The DiTs it names are the registered families."""
     text = (f"ToMe: {name} has no UNet transformer blocks to merge and is not a DiT it can "
-            "pool (ToMe merges SD1, SD2 and SDXL UNets and pools image keys/values in Flux and "
-            "SD3 DiTs and in ComfyUI Qwen-Image; not other DiTs such as Qwen-Image in "
-            "diffusers, Wan or Lumina, nor compiled or replaced models)")
+            "pool (ToMe merges SD1, SD2 and SDXL UNets and pools image keys/values in the DiTs "
+            f"it reads: {dits_read()}; not other DiTs, nor compiled or replaced models)")
     if not found:
         text += ("; expected an ldm/sgm model (.model.diffusion_model), a diffusers pipeline "
                  "(.unet, .transformer) or the UNet or transformer itself")
     return UnsupportedModelError(text)
+
+
+def dits_read() -> str:
+    """The registered DiT families, by the host their names start with: ``diffusers flux and
+    sd3; a1111 sd3; comfy flux and qwen-image``."""
+    hosts: dict[str, list[str]] = {}
+    for f in dits.families():
+        host, _, model = f.name.rpartition(" ")
+        hosts.setdefault(host, []).append(model)
+
+    def listed(models: list[str]) -> str:
+        return models[0] if len(models) == 1 else f"{', '.join(models[:-1])} and {models[-1]}"
+    return "; ".join(f"{host} {listed(models)}".strip() for host, models in hosts.items())
 
 
 @dataclass(frozen=True)
