@@ -88,8 +88,8 @@ def pooled_attentions(block: nn.Module) -> list[nn.Module]:
 class Family:
     """One DiT family: how to recognise and read it, and how an adapter on plain modules
     (``processors.py``) finds its calls, pools its attention and measures a block. A family
-    reached only through a host's own patch form (ComfyUI's attn1 DiT call form) leaves the
-    adapter's fields at their defaults: its blocks then stay unpooled on plain modules."""
+    reached only through a host's own patch point (ComfyUI's: ``override.py``, ``patcher.py``)
+    leaves those fields at their defaults: its blocks then stay unpooled on plain modules."""
 
     name: str                                  # display name: ``Layout.family``, reports
     recognise: Callable[[nn.Module], bool]     # this module is the family's denoiser
