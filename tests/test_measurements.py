@@ -148,3 +148,97 @@ def test_default_cache_path(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     assert C.default_cache_path() == tmp_path / "h" / ".cache" / "tome-sd" / "measurements.json"
     assert C.MeasurementCache().path == C.default_cache_path()
+
+
+# ----------------------------------------------------------------------------- grids in 3-D
+
+def _flux():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24,
+        axes_dims_rope=(4, 6, 6)).eval()
+
+
+# The parts of a key as the code before 3-D grids wrote them, spelled out: the architecture
+# fingerprints and config dicts are literals recorded from that code (a UNet's config has no
+# DiT field; a DiT's has rope, blocks, proportional and schedule), the machine's parts are read.
+OLD = {
+    "sd15": ("1286cdceb33e84df", [1], {
+        "matching": "global", "merge_attn": True, "merge_crossattn": False, "merge_mlp": False,
+        "method": "merge", "ratio": 0.5, "share": "level", "sx": 2, "sy": 2}),
+    "flux": ("a42cad62a677b0ef", [2], {
+        "blocks": "all", "downsample_factor": 2, "method": "downsample", "proportional": True,
+        "rope": "pooled", "schedule": ""}),
+}
+
+
+def _old_parts(model, name, latent, batch):
+    unet, levels, config = OLD[name]
+    return {"attention": M.attention_backend(model), "batch": batch, "capability": None,
+            "config": config, "device": M.device_name(torch.device("cpu")), "dtype": "float32",
+            "latent": list(latent), "levels": levels, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "unet": unet}
+
+
+@pytest.mark.parametrize("name", ["sd15", "flux"])
+def test_an_old_cache_file_is_still_read_and_used(sd15, tmp_path, name):
+    """A file as the code before 3-D grids wrote it (digest: sha1 of the canonical JSON of
+    the parts; entries under format and version), built here by hand: an image's key is the
+    same bytes, so the measurement is used, with the latent given as (h, w) or (1, h, w)."""
+    import hashlib
+    model = sd15 if name == "sd15" else _flux()
+    cfg = ToMeConfig() if name == "sd15" else ToMeConfig(method="downsample")
+    parts = _old_parts(model, name, (16, 24), 2)
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha1(text.encode()).hexdigest()
+    old = {"device": parts["device"], "dtype": "float32", "latent": [16, 24], "batch": 2,
+           "method": cfg.method, "rows": [{"level": parts["levels"][0], "tokens": 384,
+                                           "blocks": 5, "plans": 1, "unmerged_ms": 3.0,
+                                           "merged_ms": 1.5}]}
+    path = tmp_path / "measurements.json"
+    path.write_text(json.dumps({"format": "tome-measurements", "version": 2,
+                                "entries": {digest: {"parts": parts, "measurement": old}}},
+                               indent=1, sort_keys=True))
+    key = C.cache_key(model, (16, 24), 2, cfg)
+    assert (key.digest, key.parts_json) == (digest, text)
+    assert C.cache_key(model, (1, 16, 24), 2, cfg) == key
+
+    def clock(phase, fn):
+        raise AssertionError("measured again")
+    said = []
+    service = C.Measurer(C.MeasurementCache(path, say=said.append), say=said.append,
+                         clock=clock)
+    for latent in ((16, 24), (1, 16, 24)):
+        m = service.get(model, latent, 2, cfg, runner=None)
+        assert m is not None and m.rows[0].speedup == 2.0 and m.latent == (16, 24)
+    assert said == [] and C.speedups(m) == {parts["levels"][0]: (2.0, parts["device"])}
+
+
+def test_a_video_key_names_its_frames_and_an_image_key_does_not(sd15):
+    c = ToMeConfig()
+    image = C.cache_key(sd15, LATENT, 2, c)
+    video = C.cache_key(sd15, (9, *LATENT), 2, c)
+    assert "frames" not in image.parts and C.cache_key(sd15, (1, *LATENT), 2, c) == image
+    assert video.parts == {**image.parts, "frames": 9} and video.digest != image.digest
+
+
+def test_a_video_grid_is_not_timed_yet_and_says_so(sd15):
+    said = []
+    service = C.Measurer(C.MeasurementCache(say=said.append), say=said.append,
+                         clock=lambda phase, fn: pytest.fail("timed"))
+    assert service.get(sd15, (9, 60, 104), 2, ToMeConfig(), runner=None) is None
+    assert said == [service.reason] == ["ToMe: not measured at 832x480 px, 33 frames: video "
+                                        "grids are not timed yet; the token thresholds decide"]
+
+
+def test_the_measuring_lines_name_the_size(sd15, tmp_path):
+    said = []
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json", say=said.append),
+                         say=said.append, rounds=1, clock=lambda phase, fn: 1.0)
+    progress = []
+    service.progress = progress.append
+    service.get(sd15, (16, 24), 1, ToMeConfig(), runner=lambda *a: None)
+    assert progress == ["ToMe: measuring 192x128 px", None]
+    assert said[0].startswith("ToMe: measured 192x128 px, batch 1, merge, on ")

@@ -181,7 +181,7 @@ def test_forge_measures_at_the_first_call_of_a_size(tmp_path):
                                    measurer=service)
     x = torch.randn(2, 256, 8)
     out = self_attention_block(ours, x, (2, 4, 16, 16))
-    assert calls and patch.planner.measured[(16, 16)][1][0] == 2.0
+    assert calls and patch.planner.measured[(1, 16, 16)][1][0] == 2.0  # (frames, h, w)
     assert len(said) == 1 and "ToMe: measured 128x128 px, batch 2" in said[0]
     assert patch.tokens == {1: (256, 128)}  # 256 tokens: merged because it was measured faster
     calls.clear()
@@ -227,3 +227,58 @@ def test_forge_window_in_sigmas(patcher, predictor, start, end, expect):
     assert merged == expect
     assert report.steps() == f"steps {start:g}-{end:g}: merged in 2 of 4 steps"
     assert f"steps {start:g}-{end:g} (sigma " in report.summary()
+
+
+# ----------------------------------------------------------------------------- video grids
+
+def _comfy_flux():
+    import sys
+    from pathlib import Path
+    stub = str(Path(__file__).resolve().parent / "comfy_stub")
+    if stub not in sys.path:
+        sys.path.insert(0, stub)
+    from comfy.flux import FluxModel, PosEmbed
+    torch.manual_seed(0)
+    return FluxModel().eval(), PosEmbed
+
+
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_the_dit_form_pools_each_frame_of_a_video_latent(rope):
+    """A video latent's (frames, height, width) under ``LATENT_KEY`` (``x.shape[2:]`` of
+    ``[B, C, T, H, W]``): the image keys/values of each frame are pooled in 2x2 cells of that
+    frame (frame-major tokens), against loops and RoPE written out here."""
+    from tome import layout as lay
+    flux, PosEmbed = _comfy_flux()
+    frames, h, w, text = 3, 4, 6, 3
+    n = frames * h * w
+    ids = torch.zeros(1, text + n, 3)
+    ids[0, text:] = torch.tensor([[a, i, j] for a in range(frames) for i in range(h)
+                                  for j in range(w)], dtype=torch.float32)
+    pe = PosEmbed((4, 6, 6))(ids)
+    q, k, v = (torch.randn(1, 2, text + n, 16) for _ in range(3))
+
+    def rotate(x, ids):  # [B, H, S, D] by positions [B, S, 3], as complex numbers
+        angles = [ids[..., i].double()[..., None] * 10000.0 ** (
+            -torch.arange(0, d, 2, dtype=torch.float64) / d) for i, d in enumerate((4, 6, 6))]
+        turn = torch.polar(torch.ones(1, dtype=torch.float64), torch.cat(angles, -1))
+        pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * turn[:, None]).flatten(-2).float()
+
+    def pool(x):  # [B, H, S, D]: each frame's 2x2 cell means, by loops
+        img = x[:, :, text:].reshape(*x.shape[:2], frames, h, w, -1)
+        cells = [img[:, :, a, i:i + 2, j:j + 2].mean((2, 3)) for a in range(frames)
+                 for i in range(0, h, 2) for j in range(0, w, 2)]
+        return torch.cat([x[:, :, :text], torch.stack(cells, 2)], 2)
+
+    mean_ids = torch.cat([ids[:, :text], pool(ids[:, None])[:, 0, text:]], 1)
+    expect_k = pool(rotate(k, ids)) if rope == "before" else rotate(pool(k), mean_ids)
+    patch = mp.DitAttn1Patch(ToMeConfig(method="downsample", rope=rope), lay.read(flux))
+    out = patch.attn1(q, k, v, pe=pe, attn_mask=None, extra_options={
+        "block_type": "double", "block_index": 0, "img_slice": [text, text + n],
+        mp.LATENT_KEY: (frames, 2 * h, 2 * w), "sigmas": torch.tensor([1.0])})
+    assert out["k"].shape[2] == text + frames * 2 * 3
+    torch.testing.assert_close(out["q"], rotate(q, ids), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["k"], expect_k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["v"], pool(v))
+    assert patch.planner.size == (frames, 2 * h, 2 * w)
+    assert patch.planner.tokens[2] == (n, n - frames * 2 * 3)

@@ -255,6 +255,28 @@ def test_grid_of_and_auto_level():
     assert auto_level(4, [1]) == 4
 
 
+def test_a_grid_has_frames_and_an_image_is_one():
+    """A call's grid is (frames, height, width): a video DiT's blocks see ``frames`` grids of
+    ``h x w`` tokens; an image's (height, width) is one frame, planned as before."""
+    from tome import dit
+    assert plan.grid_of(3 * 4096, (3, 64, 64), 1) == (1, 64, 64)
+    assert plan.grid_of(3 * 1024, (3, 64, 64), 2) == (2, 32, 32)
+    assert plan.grid_of(4096, (3, 64, 64), 2) is None     # not frames whole grids
+    assert plan.grid_of(2 * 1024, (2, 64, 64), 1) is None  # ds2: deeper than allowed
+    cfg = ToMeConfig(method="downsample")
+    planner = plan.Planner(cfg, 2, levels=[2], method=dit.method_for(cfg))
+    for size in ((8, 12), (1, 8, 12)):
+        call = planner.begin(size, torch.device("cpu"), None)
+        assert call.size == planner.size == (1, 8, 12) and call.frames == 1
+    call = planner.begin((3, 8, 12), torch.device("cpu"), None, 2)
+    assert (call.size, call.frames, planner.size) == ((3, 8, 12), 3, (3, 8, 12))
+    p = planner.plan(call, torch.zeros(2, 3 * 4 * 6, 1))
+    assert (p.grid, p.factor, p.temporal) == ((3, 4, 6), 2, 1)
+    assert planner.plan(call, torch.zeros(2, 3 * 4 * 6, 1)) is p  # one per call
+    assert planner.tokens[2] == (72, 72 - 3 * 2 * 3)
+    assert planner.plan(call, torch.zeros(2, 4 * 6, 1)) is None  # one frame's tokens: no grid
+
+
 def test_attn1_replaced_after_patching_runs_unmerged(inputs):
     """SAG's "dynamic" target swaps attn1.forward during sampling, after the patch: that
     block must then see every token, once, with a warning, and the others still merge."""

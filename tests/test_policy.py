@@ -131,6 +131,23 @@ def test_policy_summary_names_size_tokens_and_device():
     assert line == "512x512 px: ds1 4096 tokens, below the CUDA threshold (16384), not merged"
 
 
+def test_a_video_latent_counts_its_frames_and_names_them():
+    """(frames, height, width): tokens count every frame; the line names the video's size in
+    px and frames (a causal video VAE: the first latent frame is one frame, each later 4)."""
+    assert policy.latent_grid((60, 104)) == (1, 60, 104)
+    assert policy.latent_grid(torch.Size([9, 60, 104])) == (9, 60, 104)
+    assert policy.level_tokens((9, 60, 104), 2) == 9 * 30 * 52
+    assert policy.level_tokens((1, 61, 104), 2) == policy.level_tokens((61, 104), 2) == 31 * 52
+    assert policy.size_text((64, 64)) == policy.size_text((1, 64, 64)) == "512x512 px"
+    assert policy.size_text((9, 60, 104)) == "832x480 px, 33 frames"
+    cfg = ToMeConfig(method="downsample", policy="auto")
+    line = policy.summary(policy.decide(cfg, (9, 60, 104), [2], "cuda"), (9, 60, 104))
+    assert line == ("832x480 px, 33 frames: ds2 14040 tokens, below the CUDA threshold "
+                    "(16384), not merged")
+    with pytest.raises(ValueError, match="frames, height, width"):
+        policy.latent_grid((1, 2, 3, 4))
+
+
 def test_each_reason_belongs_to_its_decision():
     """Every branch of ``decide_level`` with its exact reason: a swap of two fails."""
     auto = ToMeConfig(policy="auto")
@@ -164,10 +181,10 @@ def test_the_planner_tells_its_decisions_once_per_size_after_measuring():
     call = planner.begin((16, 16), torch.device("cpu"), t, 2)
     planner.begin((16, 16), torch.device("cpu"), t, 2)
     planner.announce((16, 16), "cpu")
-    assert asked == [(16, 16)] and len(told) == 1
+    assert asked == [(1, 16, 16)] and len(told) == 1  # the grid: (frames, h, w)
     size, decisions = told[0]
-    assert size == (16, 16) and [(d.level, d.merged) for d in decisions] == [(1, True),
-                                                                              (2, False)]
+    assert size == (1, 16, 16)
+    assert [(d.level, d.merged) for d in decisions] == [(1, True), (2, False)]
     assert decisions[0].reason == "measured 2.00x on CPU X, merged"
     assert decisions[1].reason == "64 tokens, below the CPU threshold (4096), not merged"
     assert planner.decision(1, 256, "cpu", call.measured.get(1)) is decisions[0]

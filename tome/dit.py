@@ -350,6 +350,9 @@ class DitPool(methods.Downsample):
     the blocks the ``blocks`` setting names, with the ``rope`` option for rotary positions."""
 
     self_attention_only = False
+    # The settings that change a pooled block's cost beyond the method's own: part of the
+    # measurement cache key (``measurements.key_config``).
+    key_fields = ("rope", "blocks", "proportional", "schedule")
     # The auto policy's fallback where nothing is measured: image tokens from which pooling
     # pays. CPU: `make bench-dit` (docs/speed.md#dits-flux-sd3; Flux and SD3 shapes, bf16, one
     # thread) paid by 5% from 576 tokens (384 px) and clearly (1.11x, 1.21x) at 1024 (512 px).
@@ -362,13 +365,14 @@ class DitPool(methods.Downsample):
 
     def plan(self, planner: Any, call: Any, x: torch.Tensor, level: int, h: int, w: int,
              decoder: bool) -> DitPlan:
-        plan = call.plans.get((h, w))
+        """The call's plan for its ``call.frames`` grids of ``h x w`` (one per call)."""
+        t = call.frames
+        plan = call.plans.get((t, h, w))
         if plan is None:
             c = planner.config
-            f = c.downsample_factor
-            plan = call.plans[(h, w)] = DitPlan(h, w, f, c.rope,
-                                                 getattr(c, "proportional", False))
-            planner.record(level, h * w, h * w - pooled_tokens(h, w, f))
+            plan = call.plans[(t, h, w)] = DitPlan(h, w, c.downsample_factor, c.rope,
+                                                    getattr(c, "proportional", False), t)
+            planner.record(level, plan.tokens, plan.tokens - plan.pooled)
         return plan
 
 

@@ -35,7 +35,7 @@ from .measure import (
     levels_to_measure,
     measure,
 )
-from .policy import LevelSpeed
+from .policy import LevelSpeed, latent_grid, size_text
 
 # Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
 FORMAT, VERSION = "tome-measurements", 2
@@ -75,15 +75,18 @@ class CacheKey:
         return cls(hashlib.sha1(text.encode()).hexdigest(), text)
 
 
-def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
               levels: Iterable[int] | None = None) -> CacheKey:
     """Everything that changes ``measure``'s answer: device (and CUDA compute capability),
-    torch version, attention backend, dtype, CPU threads, architecture, latent, batch, the
-    levels measured and the config fields that change the merged cost."""
+    torch version, attention backend, dtype, CPU threads, architecture, latent (``(height,
+    width)``; a video's ``(frames, height, width)`` adds ``frames``, so an image's key is
+    what it always was), batch, the levels measured and the config fields that change the
+    merged cost."""
     layout = read(model)
     by_level, chosen = levels_to_measure(layout, config, levels)
     p = next(by_level[chosen[0]][0].parameters()) if chosen else next(layout.root.parameters())
     dev = p.device
+    frames, h, w = latent_grid(latent)
     parts = {
         "device": device_name(dev),
         "capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda"
@@ -93,12 +96,14 @@ def cache_key(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfi
         "attention": attention_backend(layout),
         "dtype": str(p.dtype).removeprefix("torch."),
         "unet": fingerprint(layout),
-        "latent": [int(latent[0]), int(latent[1])],
+        "latent": [h, w],
         "batch": int(batch),
         "levels": chosen,
         "config": {f: getattr(config, f) for f in KEY_FIELDS + (DIT_FIELDS if layout.dit else ())
                    if f not in methods.get(config.method).ignores},
     }
+    if frames > 1:
+        parts["frames"] = frames
     return CacheKey.of(parts)
 
 
@@ -230,19 +235,24 @@ class Measurer:
         self.last: Measurement | None = None
         self.reason: str | None = None  # why the latest ``get`` returned None (its line)
 
-    def get(self, model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+    def get(self, model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
             runner: Runner, device: torch.device | None = None,
             levels: Iterable[int] | None = None) -> Measurement | None:
         """The measurement of ``model`` at this size: from memory, the cache, or measured now.
         None (and one console line, also kept as ``reason``) where it is not measured: the
         UNet's blocks are not on ``device`` (the sampling device; --medvram/--lowvram keep them
         elsewhere until they run), a timed run would not fit in memory (``memory.py``; not
-        remembered: memory may be free next time), or measuring failed."""
+        remembered: memory may be free next time), measuring failed, or the latent is a
+        video's (``(frames, height, width)``: not timed yet)."""
         self.reason = None
-        h, w = latent
+        grid, size = latent_grid(latent), size_text(latent)
+        if grid[0] > 1:
+            return self._not(f"ToMe: not measured at {size}: video grids are not timed yet; "
+                             "the token thresholds decide")
+        latent = grid[1:]  # an image: measured and kept as (height, width), as ever
         try:
             p = next(denoiser(model).parameters())
-            quick = (id(model), p.device, p.dtype, tuple(latent), batch, config.replace(
+            quick = (id(model), p.device, p.dtype, latent, batch, config.replace(
                 seed=0, policy="auto", start=0.0, end=1.0, use_rand=True),
                 None if levels is None else tuple(levels))
             if quick in self.seen:
@@ -252,10 +262,10 @@ class Measurer:
             if found is None:
                 found = self._measure(model, latent, batch, config, device, runner, levels, key)
         except memory.NotEnoughMemoryError as e:
-            return self._not(f"ToMe: not measured at {w * 8}x{h * 8} px, batch {batch}: {e}; "
+            return self._not(f"ToMe: not measured at {size}, batch {batch}: {e}; "
                              "the token thresholds decide")
         except Exception as e:  # noqa: BLE001 (the thresholds decide instead)
-            return self._not(f"ToMe: could not measure {w * 8}x{h * 8} px ({type(e).__name__}: "
+            return self._not(f"ToMe: could not measure {size} ({type(e).__name__}: "
                              f"{e}); the token thresholds decide")
         if found is not None:
             self.results[key.digest] = self.seen[quick] = self.last = found
@@ -272,9 +282,9 @@ class Measurer:
         if device is not None and torch.device(device) != on:
             return self._not(f"ToMe: not measured: the UNet is on {on}, sampling runs on "
                              f"{device} (--medvram/--lowvram); the token thresholds decide")
-        h, w = latent
+        size = size_text(latent)
         if self.progress is not None:
-            self.progress(f"ToMe: measuring {w * 8}x{h * 8} px")
+            self.progress(f"ToMe: measuring {size}")
         t0 = time.perf_counter()
         try:
             m = measure(layout, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
@@ -286,16 +296,16 @@ class Measurer:
         self.cache.put(key, m)
         rows = ", ".join(f"ds{r.level} {r.speedup:.2f}x "
                          + ("merged" if decide(r) else "not merged") for r in m.rows)
-        self.say(f"ToMe: measured {w * 8}x{h * 8} px, batch {batch}, {m.method}, on {m.device} "
+        self.say(f"ToMe: measured {size}, batch {batch}, {m.method}, on {m.device} "
                  f"({m.dtype}) in {seconds:.1f} s: {rows or 'no level to merge'}")
         return m
 
     def for_model(self, model: Any, config: ToMeConfig, runner: Runner
-                  ) -> Callable[[tuple[int, int], int, torch.device], dict[int, LevelSpeed]]:
+                  ) -> Callable[[tuple[int, ...], int, torch.device], dict[int, LevelSpeed]]:
         """The ``Planner.measurer`` of one patched model, built by its host adapter (which
         says how its blocks run merged: ``runner``): ``(size, batch, device) -> {level:
         LevelSpeed}``."""
-        def measured(size: tuple[int, int], batch: int, device: torch.device) -> dict:
+        def measured(size: tuple[int, ...], batch: int, device: torch.device) -> dict:
             m = self.get(model, size, batch, config, device=device, runner=runner)
             return {} if m is None else speedups(m)
         return measured

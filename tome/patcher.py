@@ -28,15 +28,16 @@ from typing import Any
 
 import torch
 
-from . import dit
+from . import dit, policy
 from . import layout as _layout
 from .config import ToMeConfig
 from .plan import Call, Planner, Window, discrete_percent_to_sigma, flow_percent_to_sigma
 from .report import ATTN1_PATCH, PatchReport
 
-# The latent's (height, width), put into ``transformer_options`` by a host layer that sees the
-# diffusion model's input (the ComfyUI node's wrapper): a DiT's token grid, which the DiT call
-# form does not carry.
+# The latent's (height, width), or a video latent's (frames, height, width) (``[B, C, T, H, W]``:
+# ``x.shape[2:]``), put into ``transformer_options`` by a host layer that sees the diffusion
+# model's input (the ComfyUI node's wrapper): a DiT's token grid, which the DiT call form does
+# not carry.
 LATENT_KEY = "tome_latent"
 
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches (name kept: older
@@ -151,8 +152,9 @@ class DitAttn1Patch:
     runs as without us.
 
     A call starts when the first block seen comes round again (the form has no call hook);
-    the grid comes from the latent under ``LATENT_KEY`` (image tokens past it, e.g. Kontext's
-    reference latents, stay whole), else from a square image token count."""
+    the grid ``(frames, h, w)`` comes from the latent under ``LATENT_KEY`` (a video latent's
+    frames: one token frame each; image tokens past the grid, e.g. Kontext's reference
+    latents, stay whole), else from a square image token count (one frame)."""
 
     def __init__(self, config: ToMeConfig, layout: _layout.Layout, unet_patcher: Any = None):
         self.config, self.dit = config, layout.dit
@@ -188,13 +190,14 @@ class DitAttn1Patch:
     def __deepcopy__(self, memo: dict) -> DitAttn1Patch:
         return self  # shared by clones, as ``Attn1Patch``
 
-    def _grid(self, extra: dict, images: int) -> tuple[int, int] | None:
+    def _grid(self, extra: dict, images: int) -> tuple[int, int, int] | None:
         latent = extra.get(LATENT_KEY)
         if latent is not None:
-            h, w = (-(-int(s) // self.dit.patch) for s in latent)
-            return (h, w) if h * w <= images else None
+            t, hh, ww = policy.latent_grid(latent)
+            h, w = -(-hh // self.dit.patch), -(-ww // self.dit.patch)
+            return (t, h, w) if t * h * w <= images else None
         side = int(images ** 0.5)
-        return (side, side) if side * side == images else None
+        return (1, side, side) if side * side == images else None
 
     def _skip(self, block: Any, why: str) -> dict:
         if not any(b == block for b, _ in self.skipped):
@@ -216,7 +219,7 @@ class DitAttn1Patch:
         grid = self._grid(extra_options, span[1] - span[0]) if span else None
         if block == self.first or self.call is None:
             size = tuple(latent) if latent is not None else \
-                tuple(g * self.dit.patch for g in grid) if grid else None
+                (grid[0], grid[1] * self.dit.patch, grid[2] * self.dit.patch) if grid else None
             self.call = None if size is None else self.planner.begin(
                 size, q.device, extra_options.get("sigmas"), q.shape[0])
         position = index if kind == "double" else self.doubles + index
@@ -226,21 +229,20 @@ class DitAttn1Patch:
             return self._skip(block, "an attention mask (pooling would misalign it)")
         if grid is None or q.dim() != 4:
             return self._skip(block, "no image token grid in this call")
-        h, w = grid
-        plan = self.planner.plan(self.call, q.new_zeros(()).expand(q.shape[0], h * w, 1))
+        t, h, w = grid
+        plan = self.planner.plan(self.call, q.new_zeros(()).expand(q.shape[0], t * h * w, 1))
         if plan is None:
             return {}
         f = self.factors[position]
         if f != plan.factor:  # built once per call and factor, shared by its blocks
-            key = ("factor", f, h, w)
+            key = ("factor", f, t, h, w)
             if key not in self.call.plans:
                 self.call.plans[key] = plan.with_factor(f)
             plan = self.call.plans[key]
         start = int(span[0])
         if pe is None:
             return {"k": plan.pool(k, start, 2), "v": plan.pool(v, start, 2)}
-        keys = plan.keys(k, start, 2, pe, dit.rotate, lambda e: dit.pool_rotations(
-            e, start, h, w, plan.factor))
+        keys = plan.keys(k, start, 2, pe, dit.rotate, lambda e: plan.rotations(e, start))
         return {"q": dit.rotate(q, pe), "k": keys, "v": plan.pool(v, start, 2),
                 "pe": identity_rotation(pe)}
 

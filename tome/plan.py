@@ -100,12 +100,16 @@ class Window:
         return text + (f": merged in {self.merged} of {self.steps} steps" if self.steps else "")
 
 
-def grid_of(tokens: int, size: tuple[int, int], max_downsample: int
+def grid_of(tokens: int, size: tuple[int, ...], max_downsample: int
             ) -> tuple[int, int, int] | None:
-    """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``, or
+    """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``
+    (``(height, width)``, or ``(frames, height, width)``: ``frames`` grids of ``h x w``), or
     None when that level is not merged (too deep, or not a grid of this latent)."""
-    ds, h, w = merge.grid_size(tokens, *size)
-    return None if ds > max_downsample or h * w != tokens else (ds, h, w)
+    t, height, width = policy.latent_grid(size)
+    if tokens % t:
+        return None
+    ds, h, w = merge.grid_size(tokens // t, height, width)
+    return None if ds > max_downsample or t * h * w != tokens else (ds, h, w)
 
 
 def _mix(*parts: int) -> int:
@@ -156,24 +160,29 @@ def flow_percent_to_sigma(percent: float) -> float:
 
 
 class Call:
-    """One UNet call: the latent size, the timestep (left on the device) and the plans shared
-    by the blocks of this call."""
+    """One UNet call: the latent's grid ``(frames, height, width)`` (an image is one frame; a
+    video DiT's blocks see ``frames`` grids, frame-major), the timestep (left on the device)
+    and the plans shared by the blocks of this call."""
 
     __slots__ = ("size", "timestep", "kind", "measured", "plans", "partitions")
 
-    def __init__(self, size: tuple[int, int], timestep: Any, kind: str,
+    def __init__(self, size: tuple[int, ...], timestep: Any, kind: str,
                  measured: dict[int, policy.LevelSpeed] | None = None):
-        self.size, self.timestep, self.kind = size, timestep, kind
+        self.size, self.timestep, self.kind = policy.latent_grid(size), timestep, kind
         self.measured = measured or {}  # level -> (speed-up, device) measured at this size
         self.plans: dict[tuple, Any] = {}
         self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def frames(self) -> int:
+        return self.size[0]
 
 
 class Planner:
     """The plans of one patched model, call after call (see the module docstring)."""
 
     def __init__(self, config: ToMeConfig, max_downsample: int,
-                 measurer: Callable[[tuple[int, int], int, torch.device], dict] | None = None,
+                 measurer: Callable[[tuple[int, int, int], int, torch.device], dict] | None = None,
                  levels: list[int] | tuple[int, ...] = (), method: methods.Method | None = None,
                  window: Window | None = None):
         self.config, self.max_downsample = config, max_downsample
@@ -182,29 +191,32 @@ class Planner:
         self.levels = sorted(levels)  # the model's levels that may merge (for ``announce``)
         # The config's method, or its DiT form (``dit.DitPool``) on a DiT.
         self.method = method or methods.get(config.method)
-        self.size: tuple[int, int] | None = None  # the latent size of the latest call
+        # The latent grid (frames, height, width) of the latest call.
+        self.size: tuple[int, int, int] | None = None
         # ``auto`` policy: ``measurer(size, batch, device) -> {level: (speed-up, device)}``,
         # asked once per latent size, in eager mode only (never while compiling a graph).
         self.measurer = measurer if config.policy == "auto" else None
-        self.measured: dict[tuple[int, int], dict[int, policy.LevelSpeed]] = {}
+        self.measured: dict[tuple[int, int, int], dict[int, policy.LevelSpeed]] = {}
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (level, tokens, device kind, measured) -> policy.Decision, filled as levels are met.
         self.decisions: dict[tuple[int, int, str], policy.Decision] = {}
         # Filled while running: downsample -> (tokens, tokens removed) of the latest call.
         self.tokens: dict[int, tuple[int, int]] = {}
-        # ``on_decided(size, [Decision per level])``: told once per size and device kind, as
-        # soon as the decisions are known (a host's narration; no polling, no recomputing).
-        self.on_decided: Callable[[tuple[int, int], list[policy.Decision]], Any] | None = None
-        self._told: set[tuple[tuple[int, int], str]] = set()
+        # ``on_decided(size, [Decision per level])``: told once per size (a latent grid) and
+        # device kind, as soon as the decisions are known (a host's narration; no polling, no
+        # recomputing).
+        self.on_decided: Callable[[tuple[int, int, int], list[policy.Decision]], Any] | None \
+            = None
+        self._told: set[tuple[tuple[int, int, int], str]] = set()
 
-    def begin(self, size: tuple[int, int], device: torch.device, timestep: Any,
+    def begin(self, size: tuple[int, ...], device: torch.device, timestep: Any,
               batch: int = 1) -> Call | None:
-        """Start a UNet call on a latent of ``size`` (height, width) on ``device`` with
-        ``batch`` images; None when this step is outside the ``start``/``end`` window (the
-        only place the timestep is read on the host). The first call at a new size measures
-        first (``measurer``)."""
-        size = self.size = tuple(size)
+        """Start a UNet call on a latent of ``size`` (height, width; a video's frames, height,
+        width) on ``device`` with ``batch`` images; None when this step is outside the
+        ``start``/``end`` window (the only place the timestep is read on the host). The first
+        call at a new size measures first (``measurer``)."""
+        size = self.size = policy.latent_grid(size)
         self.prepare(size, batch, device)
         kind = policy.device_kind(device)
         self.announce(size, kind)
@@ -224,17 +236,17 @@ class Planner:
                     return None
         return Call(size, timestep if c.use_rand else None, kind, self.measured.get(size))
 
-    def prepare(self, size: tuple[int, int], batch: int, device: torch.device) -> None:
+    def prepare(self, size: tuple[int, ...], batch: int, device: torch.device) -> None:
         """Measure at ``size`` now, if the policy measures and nothing is known yet."""
-        size = tuple(size)
+        size = policy.latent_grid(size)
         if self.measurer is not None and size not in self.measured and not merge.compiling():
             self.measured[size] = self.measurer(size, batch, device) or {}
 
-    def announce(self, size: tuple[int, int], kind: str) -> None:
+    def announce(self, size: tuple[int, ...], kind: str) -> None:
         """Tell ``on_decided`` the decisions at ``size`` on ``kind`` once they are known: now,
         or (when this size is still to be measured) right after measuring, at the first call.
         The decisions are the ones the blocks then use."""
-        size = tuple(size)
+        size = policy.latent_grid(size)
         if self.on_decided is None or merge.compiling() or (size, kind) in self._told \
                 or (self.measurer is not None and size not in self.measured):
             return

@@ -68,11 +68,43 @@ class Decision:
     reason: str
 
 
-def level_tokens(latent: tuple[int, int], level: int) -> int:
-    """Tokens at ``level`` for a latent of ``(height, width)``: the UNet's stride-2
-    convolutions round up, so odd sizes keep their last row and column."""
-    h, w = latent
-    return math.ceil(h / level) * math.ceil(w / level)
+# What a latent pixel is in the image: 8 px per side (every VAE the hosts run so far), and a
+# causal video VAE's frames (Wan, HunyuanVideo): the first latent frame is one frame, each
+# later one 4.
+SCALE, FRAME_SCALE = 8, 4
+
+
+def latent_grid(latent: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(frames, height, width)`` of a latent size: an image's ``(height, width)`` is one
+    frame; a video latent's ``(frames, height, width)`` as it is."""
+    size = tuple(int(s) for s in latent)
+    if len(size) == 2:
+        return (1, *size)
+    if len(size) != 3:
+        raise ValueError(f"ToMe: a latent size is (height, width) or (frames, height, width), "
+                         f"not {size}")
+    return size
+
+
+def level_tokens(latent: tuple[int, ...], level: int) -> int:
+    """Tokens at ``level`` for a latent of ``(height, width)`` or ``(frames, height, width)``
+    (frames keep their count): the UNet's stride-2 convolutions round up, so odd sizes keep
+    their last row and column."""
+    t, h, w = latent_grid(latent)
+    return t * math.ceil(h / level) * math.ceil(w / level)
+
+
+def pixels(latent: tuple[int, ...], scale: int = SCALE, frame_scale: int = FRAME_SCALE
+           ) -> tuple[int, int, int]:
+    """``(width, height, frames)`` of the image or video a latent decodes to."""
+    t, h, w = latent_grid(latent)
+    return w * scale, h * scale, (t - 1) * frame_scale + 1
+
+
+def size_text(latent: tuple[int, ...], scale: int = SCALE) -> str:
+    """The size every console line names: ``512x512 px``, a video ``832x480 px, 33 frames``."""
+    w, h, frames = pixels(latent, scale)
+    return f"{w}x{h} px" + (f", {frames} frames" if frames > 1 else "")
 
 
 def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
@@ -95,7 +127,7 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
                     f"({threshold}), not merged")
 
 
-def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tuple[int, ...],
+def decide(config: ToMeConfig, latent: tuple[int, ...], levels: list[int] | tuple[int, ...],
            kind: str, measured: dict[int, LevelSpeed] | None = None) -> list[Decision]:
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
 
@@ -107,11 +139,10 @@ def decide(config: ToMeConfig, latent: tuple[int, int], levels: list[int] | tupl
             for lv in sorted(levels)]
 
 
-def summary(decisions: list[Decision], latent: tuple[int, int], scale: int = 8) -> str:
+def summary(decisions: list[Decision], latent: tuple[int, ...], scale: int = SCALE) -> str:
     """One line, e.g. ``512x512 px: ds1 4096 tokens, below the CUDA threshold (16384); not
-    merged``."""
-    h, w = latent
-    head = f"{w * scale}x{h * scale} px"
+    merged`` (a video: ``832x480 px, 33 frames: ...``)."""
+    head = size_text(latent, scale)
     if not decisions:
         return f"{head}: no level to merge"
     return head + ": " + "; ".join(f"ds{d.level} {d.reason}" for d in decisions)

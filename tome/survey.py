@@ -29,6 +29,11 @@ BATCH = 2  # one image with classifier-free guidance: cond and uncond in one UNe
 HEAD = ("method", "image", "level", "tokens", "unmerged ms", "merged ms", "speed-up", "auto")
 
 
+def image(latent: tuple[int, ...]) -> str:
+    """A table's image column: ``512x512``, a video's ``832x480, 33 frames``."""
+    return policy.size_text(latent).replace(" px", "")
+
+
 @dataclass
 class Survey:
     """What was measured (``found``) and what was not, as ``(method, px, why)`` (``missed``)."""
@@ -38,7 +43,7 @@ class Survey:
 
     def rows(self) -> list[tuple[str, ...]]:
         """One row per method, size and level, as ``HEAD`` names the columns."""
-        return [(m.method, f"{m.latent[1] * 8}x{m.latent[0] * 8}", f"ds{r.level}",
+        return [(m.method, image(m.latent), f"ds{r.level}",
                  str(r.tokens), f"{r.unmerged_ms:.1f}", f"{r.merged_ms:.1f}",
                  f"{r.speedup:.2f}x", "merge" if policy.pays(r.speedup) else "no")
                 for m in self.found for r in m.rows]
@@ -59,7 +64,8 @@ class Survey:
         points: dict[str, list[tuple[int, float]]] = {}
         for m in self.found:
             if m.rows:
-                points.setdefault(m.method, []).append((m.latent[1] * 8, m.rows[0].speedup))
+                width = policy.pixels(m.latent)[0]
+                points.setdefault(m.method, []).append((width, m.rows[0].speedup))
         return {k: sorted(v) for k, v in points.items()}
 
     def scale(self, width: int, height: int, pad: int) -> Scale | None:

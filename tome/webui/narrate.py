@@ -116,7 +116,7 @@ class Voice:
             line += f"; seed {seed}"
         console(line)
 
-    def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, latent: tuple[int, int],
+    def auto_choice(self, p: Any, name: str, cfg: ToMeConfig, latent: tuple[int, ...],
                     decisions: list[policy.Decision]) -> None:
         """Once per pass: what the auto policy decided and why (console and infotext), and
         which levels it merged (infotext: pasting reproduces the image on any machine). The
