@@ -40,20 +40,21 @@ from .policy import LevelSpeed, latent_grid, size_text
 # Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
 FORMAT, VERSION = "tome-measurements", 2
 # The config fields that change the merged cost (less those the method ignores); seed, start,
-# end, policy and use_rand do not.
+# end, policy and use_rand do not. The form that runs a block adds its own (``key_fields``: a
+# DiT form's rope, blocks, proportional, schedule; a UNet's method none, so UNet keys stay).
 KEY_FIELDS = ("method", "ratio", "sx", "sy", "matching", "share", "downsample_factor",
               "merge_attn", "merge_crossattn", "merge_mlp")
-# and on DiTs (only there: UNet cache keys stay as they were)
-DIT_FIELDS = ("rope", "blocks", "proportional", "schedule")
 
 
 def fingerprint(model: Any) -> str:
     """A short hash of the UNet's architecture (class; per transformer block: level, side,
-    channels, heads, context dim), never its weights: fine-tunes of one model share timings."""
+    channels, heads, context dim, and its kind where it is not a UNet's block: a DiT's double
+    or single), never its weights: fine-tunes of one model share timings."""
     layout = read(model)
     unet = layout.root
     blocks = [[b.level, b.decoder, channels(b.module), getattr(attention(b.module), "heads", None),
-               context_dim(b.module)] + ([b.kind] if layout.dit else []) for b in layout.blocks]
+               context_dim(b.module)] + ([b.kind] if b.kind != "unet" else [])
+              for b in layout.blocks]
     arch = {"class": f"{type(unet).__module__}.{type(unet).__qualname__}", "blocks": blocks}
     return hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -73,6 +74,17 @@ class CacheKey:
     def of(cls, parts: dict[str, Any]) -> CacheKey:
         text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
         return cls(hashlib.sha1(text.encode()).hexdigest(), text)
+
+
+def key_config(layout: Any, config: ToMeConfig) -> dict[str, Any]:
+    """The config fields that change the merged cost of ``layout``'s blocks: ``KEY_FIELDS`` and
+    the ``key_fields`` of the form that runs each block (a block of a kind other than a UNet's
+    runs the method's DiT form, ``Method.dit_form``), less those the method ignores."""
+    method = methods.get(config.method)
+    extra = {f for b in layout.blocks for f in getattr(
+        method.dit_form if b.kind != "unet" else method, "key_fields", ())}
+    return {f: getattr(config, f) for f in KEY_FIELDS + tuple(sorted(extra))
+            if f not in method.ignores}
 
 
 def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
@@ -99,8 +111,7 @@ def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfi
         "latent": [h, w],
         "batch": int(batch),
         "levels": chosen,
-        "config": {f: getattr(config, f) for f in KEY_FIELDS + (DIT_FIELDS if layout.dit else ())
-                   if f not in methods.get(config.method).ignores},
+        "config": key_config(layout, config),
     }
     if frames > 1:
         parts["frames"] = frames
