@@ -171,8 +171,8 @@ class ToMePatch:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     DESCRIPTION = ("Token Merging for SD1.x, SD2.x and SDXL UNets: each step is faster, the "
-                   "image changes a little. The input model is not changed. On Flux and "
-                   "Qwen-Image (ComfyUI versions whose blocks call attn1 patches) method "
+                   "image changes a little. The input model is not changed. On Flux, "
+                   "Qwen-Image and Wan (through ComfyUI's attention override) method "
                    "downsample pools the image keys/values; other DiTs pass through unchanged. "
                    "start/end are fractions of the sampling, read in the model's own sigmas. "
                    "To merge only in a second (hires) sampler, put this node only on that "
