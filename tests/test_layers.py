@@ -25,7 +25,8 @@ LAYERS = [
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),
     ("tome.report",),
-    ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override"),
+    ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
+     "tome.swap"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
     ("tome.measurements",),
     ("tome.survey",),   # the host kit: the measuring service, "measure now" for every host

@@ -1,10 +1,11 @@
 """The one choice of adapter: from what a model is (its ``Layout``) and what its host offers.
 
-Four adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
+Five adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
 processors on a diffusers or A1111 DiT (``processors.py``), the ModelPatcher's attn1 patch
 of the Forge family and ComfyUI (``patcher.py``: a UNet form and ComfyUI's DiT call form), and
 ComfyUI's attention override for its DiTs (``override.py``, installed per model call by an
-``apply_model`` wrapper; each family says how a call places its tokens: ``COMFY_SPANS``).
+``apply_model`` wrapper; each family says how a call places its tokens: ``COMFY_SPANS``);
+Forge Neo's DiTs get their attention functions swapped per model call (``swap.py``: ``NEO``).
 Which one patches a model, and how its blocks run merged when measured, is decided here and
 nowhere else, from the layout and the host's contract: plain modules (A1111, SD.Next,
 diffusers, the library) or a ModelPatcher. The library's ``apply_patch``, the WebUI's patching
@@ -16,9 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import override, patch, patcher, processors
+from . import override, patch, patcher, processors, swap
 from .config import ToMeConfig
-from .dits import comfy_flux, comfy_qwen, comfy_wan
+from .dits import (
+    comfy_flux,
+    comfy_qwen,
+    comfy_wan,
+    neo_flux,
+    neo_lumina,
+    neo_nunchaku,
+    neo_qwen,
+    neo_wan,
+)
 from .layout import Layout, read
 from .report import STATE_ATTR, PatchReport
 
@@ -92,6 +102,8 @@ def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
         return unet_patcher, done.report
     layout = read(getattr(unet_patcher, "model", None))
     if layout.dit is not None:
+        if layout.family in NEO:
+            return swap.patch(unet_patcher, layout, NEO[layout.family], config)
         spans = COMFY_SPANS.get(layout.family)
         if spans is not None and hasattr(unet_patcher, "add_wrapper_with_key"):
             sampling = patcher.model_sampling(unet_patcher)
@@ -114,3 +126,7 @@ def _spans(read: Callable) -> Callable:
 
 # ComfyUI's DiT families -> how a model call places its tokens (the families' ``spans``).
 COMFY_SPANS = {f.FAMILY.name: _spans(f.spans) for f in (comfy_flux, comfy_qwen, comfy_wan)}
+
+# Forge Neo's DiT families -> the attention functions to swap and how a call places its tokens.
+NEO = {f.FAMILY.name: swap.Form.of(f.POINTS, f.spans)
+       for f in (neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)}

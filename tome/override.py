@@ -223,18 +223,20 @@ class OverridePatch:
     policy), the override and ComfyUI's ``apply_model`` wrapper (``wrapper``).
 
     ``spans_of(model, x, context, kwargs)`` is the family's reading of a model call
-    (``Spans`` or None: not a call it knows; ``adapters.py`` picks it). Keys arrive rotated,
-    so ``rope="pooled"`` is applied as "before"; residual reuse is left out (its presets
-    become their points without reuse); both are named in ``limits``."""
+    (``Spans`` or None: not a call it knows; ``adapters.py`` picks it). Keys arrive rotated
+    (``rotated``; Forge Neo's swap hands Flux's keys before RoPE), so ``rope="pooled"`` is
+    applied as "before"; residual reuse is left out (its presets become their points without
+    reuse); both are named in ``limits``."""
 
     SILENT = ("ToMe: the attention override was installed but never called (a node after "
               "this ToMe node replaced ComfyUI's optimized_attention_override without calling "
               "it), so nothing was pooled")
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
-                 percent_to_sigma: Callable[[float], float] | None = None):
+                 percent_to_sigma: Callable[[float], float] | None = None,
+                 rotated: bool = True):
         self.layout, self.spans_of = layout, spans_of
-        rope = layout.dit.rope
+        rope = layout.dit.rope and rotated
         self.applied = without_reuse(config).replace(rope="before") if rope \
             else without_reuse(config)
         self.limits = [x for x, on in (

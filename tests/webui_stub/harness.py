@@ -13,6 +13,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import gradio as gr  # noqa: E402
+import neo  # noqa: E402 (Forge Neo's engine and its backend stand-in)
 import torch  # noqa: E402
 import xyz_grid  # noqa: E402
 from modules import (  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "api_error",
     "call_queue",
     "errors",
+    "neo",
     "parse_generation_parameters",
     "processing",
     "script_callbacks",

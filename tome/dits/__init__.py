@@ -37,7 +37,21 @@ from typing import Any
 
 from torch import nn
 
-from . import comfy_flux, comfy_qwen, comfy_wan, flux, mmdit, qwen_image, sd3, wan
+from . import (
+    comfy_flux,
+    comfy_qwen,
+    comfy_wan,
+    flux,
+    mmdit,
+    neo_flux,
+    neo_lumina,
+    neo_nunchaku,
+    neo_qwen,
+    neo_wan,
+    qwen_image,
+    sd3,
+    wan,
+)
 from .family import Call, Dit, Family, by_class, latent_call
 
 __all__ = ["Call", "Dit", "Family", "by_class", "latent_call", "register", "unregister",
@@ -83,6 +97,7 @@ def attention(block: nn.Module) -> nn.Module | None:
 
 
 # The built-in families, in the order they are tried.
-BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan)
+BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan,
+           neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)  # Nunchaku's before Neo's
 for _module in BUILTIN:
     register(_module.FAMILY)

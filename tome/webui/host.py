@@ -3,7 +3,8 @@ and the workarounds its contract needs.
 
 Probing: the current model, the pass's latent size, compute device and seed, and models whose
 UNet we must not patch. Patching: A1111 gets the hook adapter (``patch.py``), the Forge family
-the ModelPatcher adapter (``patcher.py``); both answer with one ``PatchReport``. Measuring:
+the ModelPatcher adapter (``patcher.py``; Forge Neo's DiTs: the attention swap, ``swap.py``);
+all answer with one ``PatchReport``. Measuring:
 the process's one ``Measurer``, its cache in the WebUI's cache folder, its progress under the
 progress bar. Workarounds: stopping a generation with a clear error before anything is
 sampled, unpatching in ``p.close()``, keeping the built-in token merging off, and keeping
@@ -22,6 +23,7 @@ from .. import adapters, policy, survey
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, denoiser, find_unet, read
 from ..measurements import Measurer
+from ..patcher import MARK
 from ..report import PatchReport
 from . import infotext, narrate
 from . import script_args as A
@@ -194,6 +196,13 @@ def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None) -> PatchR
                                                 lambda: model.forge_objects.unet, service)
     model.forge_objects.unet = unet
     return report
+
+
+def forge_patch(model: Any) -> Any:
+    """The Forge family: our patch on the pass's UNet patcher (a DiT's carries ``limits``,
+    what this host cannot apply, and ``on_silent``, told when it was never reached), or
+    None."""
+    return getattr(getattr(getattr(model, "forge_objects", None), "unet", None), MARK, None)
 
 
 def measurable(model: Any) -> tuple[Any, Any]:

@@ -283,6 +283,11 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
         gen.voice.say(note)
     if report.kind == "DiT":  # what the settings resolved to on it (a preset's DiT point)
         gen.voice.dit_resolved(p, name, resolved(report.config, report.kind, report.rope))
+        mark = host.forge_patch(model)
+        if getattr(mark, "limits", None):
+            gen.voice.say(f"ToMe DiT: not applied on this host: {', '.join(mark.limits)}")
+        if hasattr(mark, "on_silent"):
+            mark.on_silent = lambda: gen.voice.say(mark.SILENT)
     if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
         planner = report.planner
         planner.on_decided = lambda size, decisions: gen.voice.auto_choice(

@@ -1,0 +1,259 @@
+"""Forge Neo's DiTs through the WebUI stand-in: the attention swap (``tome/swap.py``) on the
+stand-ins of Neo 2.26's Flux, Wan, Qwen-Image and Lumina/Z-Image (``tests/webui_stub/backend``:
+attention functions bound by name at import, the UnetPatcher's single wrapper slot, the
+sigmas Neo hands), driven by the real script as Neo drives a generation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from webui_stub.harness import WebUI, neo, shared
+
+from tome import adapters, override, swap
+from tome.config import ToMeConfig
+from tome.dits import neo_nunchaku
+
+flux, wan, qwen, lumina, kernel, dynamic_args = (neo.flux, neo.wan, neo.qwen, neo.lumina,
+                                                 neo.kernel, neo.dynamic_args)
+POINTS = ((flux, "attention"), (wan, "attention"), (qwen, "attention_function"),
+          (lumina, "attention_function"))
+ORIGINAL = {m: getattr(m, n) for m, n in POINTS}
+
+
+def dit(**named):
+    return {"enabled": True, "method": "downsample", "downsample_factor": 2, "policy": "fixed",
+            **named}
+
+
+def latent(webui, tome=None, **fields):
+    fields = {"steps": 4, **fields}
+    return torch.stack(webui.generate(tome=tome, **fields).images)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    kernel.calls.clear()
+    dynamic_args.ref_latents = []
+    yield
+    assert all(getattr(m, n) is ORIGINAL[m] for m, n in POINTS)  # never left swapped
+
+
+def test_flux_is_pooled_reproducible_and_restored_after_the_generation(capsys):
+    webui = WebUI(neo.NeoModel("flux"))
+    off = latent(webui)
+    on = latent(webui, dit())
+    again = latent(webui, dit())
+    after = latent(webui)
+    assert torch.isfinite(on).all() and not torch.equal(on, off)
+    assert (on - off).norm() / off.norm() < 0.5
+    assert torch.equal(on, again)  # same seed, same output
+    assert torch.equal(after, off)  # nothing of the swap outlives its generation
+    out = capsys.readouterr().out
+    assert out.count("ToMe: DiT (forge neo flux) first pass downsample x2; 4/4 blocks pooled "
+                     "(blocks all, rope pooled)") == 2
+    assert "ToMe DiT: first pass x2 in all blocks; proportional attention; rope pooled" in out
+    assert not isinstance(shared.sd_model.forge_objects_original.unet.model_options.get(
+        "model_function_wrapper"), swap.Swap)
+
+
+def test_flux_keys_are_pooled_per_cell_with_the_text_whole():
+    webui = WebUI(neo.NeoModel("flux"))
+    latent(webui, dit(), cfg_scale=1)
+    text, image = neo.TEXT_TOKENS, 8 * 8  # a 128 px image: 16x16 latent, 2x2 patches
+    assert set(kernel.calls) == {(text + image, text + 16)}
+
+
+@pytest.mark.parametrize("rope", ["before", "pooled"])
+def test_both_rope_options_reach_flux(rope):
+    webui = WebUI(neo.NeoModel("flux"))
+    off = latent(webui)
+    on = latent(webui, dit(rope=rope))
+    other = latent(webui, dit(rope="pooled" if rope == "before" else "before"))
+    assert not torch.equal(on, off) and not torch.equal(on, other)
+
+
+def test_pooled_flux_call_matches_a_hand_written_reference():
+    """One attention call of Neo's Flux: our swap's answer is attention over the rotated
+    queries and keys with each 2x2 cell of image keys (and values) averaged ("before"), or the
+    raw keys averaged and rotated by the cell's mean rotation ("pooled")."""
+    model = neo.NeoModel("flux")
+    unet = model.forge_objects.unet
+    b, heads, text, h, w, d = 1, 2, 3, 4, 6, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, heads, text + h * w, d, generator=g) for _ in range(3))
+    ids = torch.zeros(b, text + h * w, 3)
+    ids[:, text:, 1] = torch.arange(h).repeat_interleave(w).float()
+    ids[:, text:, 2] = torch.arange(w).repeat(h).float()
+    pe = unet.model.diffusion_model.pe_embedder(ids)
+
+    def cells(x):  # [B, H, S, D]: the image part's 2x2 cell means
+        img = x[:, :, text:].unflatten(2, (h, w)).permute(0, 1, 4, 2, 3).flatten(0, 1)
+        img = F.avg_pool2d(img, 2).flatten(2).transpose(1, 2).unflatten(0, (b, heads))
+        return torch.cat([x[:, :, :text], img], 2)
+
+    for rope in ("before", "pooled"):
+        clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
+            method="downsample", downsample_factor=2, rope=rope, proportional=False))
+        ours = clone.model_options["model_function_wrapper"]
+        ours.state = ours.core.begin(override.Spans(text, True, 0, 1, h, w), None, q.device, b)
+        pooled = swap.Pooled(ours, adapters.NEO["forge neo flux"].points[0])
+        pooled.original = flux.attention
+        got = pooled(q, k, v, pe)
+        rq, rk = flux.apply_rope(q, k, pe)
+        if rope == "before":
+            keys = cells(rk)
+        else:
+            m = cells(pe.expand(b, heads, -1, -1, -1, -1).flatten(-3)).unflatten(-1, (-1, 2, 2))
+            m = m / (m[..., 0, 0] ** 2 + m[..., 1, 0] ** 2).sqrt()[..., None, None]
+            keys = flux.apply_rope1(cells(k), m)
+        want = F.scaled_dot_product_attention(rq, keys, cells(v)).transpose(1, 2).flatten(2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_wan_video_keys_are_pooled_within_each_frame():
+    webui = WebUI(neo.NeoModel("wan"))
+    off = latent(webui, cfg_scale=1)
+    kernel.calls.clear()
+    on = latent(webui, dit(), cfg_scale=1)
+    frames, image = neo.FRAMES, 8 * 8
+    self_attention = [c for c in kernel.calls if c[0] == c[1] or c[1] != neo.TEXT_TOKENS]
+    assert set(self_attention) == {(frames * image, frames * 16)}
+    assert (frames * image, neo.TEXT_TOKENS) in kernel.calls  # cross-attention untouched
+    assert torch.isfinite(on).all() and not torch.equal(on, off)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "lumina"])
+def test_qwen_image_and_z_image_are_pooled(kind):
+    webui = WebUI(neo.NeoModel(kind))
+    off = latent(webui, cfg_scale=1)
+    kernel.calls.clear()
+    on = latent(webui, dit(), cfg_scale=1)
+    assert torch.isfinite(on).all() and not torch.equal(on, off)
+    assert (on - off).norm() / off.norm() < 0.5
+    if kind == "lumina":  # caption 7 -> 8, image 64 (a multiple of 8): refiners unpooled
+        assert set(kernel.calls) == {(8, 8), (64, 64), (72, 24)}
+    else:
+        assert set(kernel.calls) == {(neo.TEXT_TOKENS + 64, neo.TEXT_TOKENS + 16)}
+
+
+def test_kontext_references_stay_whole():
+    webui = WebUI(neo.NeoModel("flux"))
+    dynamic_args.ref_latents = [torch.randn(1, 16, 8, 8)]  # 4x4 reference tokens
+    latent(webui, dit(), cfg_scale=1)
+    text = neo.TEXT_TOKENS
+    assert set(kernel.calls) == {(text + 64 + 16, text + 16 + 16)}
+
+
+def test_globals_are_restored_when_the_model_raises():
+    model = neo.NeoModel("flux")
+    webui = WebUI(model)
+    off = latent(webui)
+    block = model.forge_objects.unet.model.diffusion_model.single_blocks[1]
+
+    def fail(module, args, kwargs):
+        assert flux.attention is not ORIGINAL[flux]  # swapped while the model runs
+        raise RuntimeError("interrupted inside the model")
+
+    handle = block.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="interrupted inside the model"):
+        latent(webui, dit())
+    handle.remove()
+    assert flux.attention is ORIGINAL[flux]
+    assert torch.equal(latent(webui), off)
+
+
+def test_a_wrapper_already_there_is_chained_around_ours():
+    model = neo.NeoModel("flux")
+    seen = []
+
+    def theirs(apply_model, params):  # another extension's, set before ToMe
+        seen.append(flux.attention is ORIGINAL[flux])
+        return apply_model(params["input"], params["timestep"], **params["c"])
+
+    model.forge_objects_after_applying_lora.unet.set_model_unet_function_wrapper(theirs)
+    webui = WebUI(model)
+    off = latent(webui, cfg_scale=1)
+    seen.clear()
+    on = latent(webui, dit(), cfg_scale=1)
+    assert seen == [True] * 4  # called at every step, outside our swap
+    assert not torch.equal(on, off)
+    assert set(kernel.calls[-4:]) == {(neo.TEXT_TOKENS + 64, neo.TEXT_TOKENS + 16)}
+
+
+def test_a_swapper_before_ours_gets_the_pooled_keys():
+    """Neo's Radial Attention assigns ``wan.attention`` inside its wrapper (and never puts it
+    back): chained outside ours, its function is what ours calls with pooled keys."""
+    model = neo.NeoModel("wan")
+    lengths = []
+
+    def radial(*args, **kwargs):
+        lengths.append(args[1].shape[1])
+        return ORIGINAL[wan](*args, **kwargs)
+
+    def radial_wrapper(apply_model, params):
+        wan.attention = radial
+        return apply_model(params["input"], params["timestep"], **params["c"])
+
+    model.forge_objects_after_applying_lora.unet.set_model_unet_function_wrapper(radial_wrapper)
+    webui = WebUI(model)
+    try:
+        latent(webui, dit(), cfg_scale=1)
+        assert wan.attention is radial  # theirs put back, not Neo's: what was there before us
+        assert set(lengths) == {neo.FRAMES * 16}
+    finally:
+        wan.attention = ORIGINAL[wan]
+
+
+def test_a_replacement_inside_the_call_that_never_calls_ours_is_said_once(capsys):
+    model = neo.NeoModel("flux")
+    net = model.forge_objects.unet.model.diffusion_model
+    held = []
+
+    def take_over(module, args, kwargs):  # another extension, swapping after us
+        held.append(flux.attention)
+        flux.attention = lambda q, k, v, pe, mask=None, transformer_options={}: \
+            ORIGINAL[flux](q, k, v, pe, mask, transformer_options)
+
+    def give_back(module, args, kwargs, out):
+        flux.attention = held.pop()
+
+    net.register_forward_pre_hook(take_over, with_kwargs=True)
+    net.register_forward_hook(give_back, with_kwargs=True)
+    webui = WebUI(model)
+    off = latent(webui)
+    on = latent(webui, dit())
+    assert torch.equal(on, off)
+    assert capsys.readouterr().out.count(swap.Swap.SILENT) == 1
+
+
+def test_a_mask_leaves_its_calls_unpooled(capsys):
+    model = neo.NeoModel("flux")
+
+    def masked(apply_model, params):
+        n = neo.TEXT_TOKENS + 64
+        return apply_model(params["input"], params["timestep"], **params["c"],
+                           attention_mask=torch.zeros(1, n, n))
+
+    model.forge_objects_after_applying_lora.unet.set_model_unet_function_wrapper(masked)
+    webui = WebUI(model)
+    off = latent(webui, cfg_scale=1)
+    on = latent(webui, dit(), cfg_scale=1)
+    assert torch.equal(on, off)
+    assert "an attention mask (pooling would misalign it)" in capsys.readouterr().out
+
+
+def test_nunchaku_is_skipped_with_one_line(capsys):
+    webui = WebUI(neo.NeoModel("nunchaku"))
+    off = latent(webui)
+    res = webui.generate(tome=dit(), steps=4)
+    assert torch.equal(torch.stack(res.images), off)
+    out = capsys.readouterr().out
+    assert out.count(neo_nunchaku.LINE.removeprefix("ToMe: ")) == 1
+    assert "ToMe skipped" in res.info
+
+
+def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
+    webui = WebUI(neo.NeoModel("flux"))
+    plain = latent(webui, dit(proportional=False), cfg_scale=1)
+    biased = latent(webui, dit(proportional=True), cfg_scale=1)
+    assert torch.isfinite(biased).all() and not torch.equal(plain, biased)
+    assert "not applied on this host" not in capsys.readouterr().out
