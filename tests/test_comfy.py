@@ -487,7 +487,8 @@ def test_reference_latents_stay_unpooled(lines, monkeypatch):
 
 
 def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
-    """Wan with ``ref_conv``: the reference latent's tokens come first, unpooled. A video
+    """Wan with ``ref_conv``: the reference latent's tokens come first, unpooled; Wan 2.2's
+    image-to-video frame (a ``denoise_mask``) stays whole. A video
     whose token count equals the text length cannot be told from cross-attention by its
     lengths: nothing is pooled there."""
     base = dit_model("wan", ref_conv=True)
@@ -497,6 +498,9 @@ def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
     out = sample(ours, "wan", reference_latent=ref)
     assert 8 * 12 + 3 * 4 * 6 in seen
     assert close(out, sample(base, "wan", reference_latent=ref))
+    seen.clear()
+    sample(ours, "wan", denoise_mask=torch.ones(1, 1, 3, 16, 24))  # Wan 2.2 TI2V: frame 0 whole
+    assert set(seen) == {8 * 12 + 2 * 4 * 6, 5}
     tiny = (1, 4, 1, 2, 10)  # 1 x 1 x 5 video tokens: as many as the text's
     assert torch.equal(sample(ours, "wan", latent=tiny), sample(base, "wan", latent=tiny))
 

@@ -29,9 +29,11 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
     """``(text, text_first, before, frames, h, w, after)`` (``override.Spans``) of a ComfyUI
     ``apply_model`` call, or None: no text in the self-attention; a reference latent's tokens
-    first where the model has ``ref_conv`` (unpooled); ``time_dim_concat`` frames after the
-    video (unpooled). A sequence as long as the text (or an image prompt's ``clip_fea``)
-    cannot be told from cross-attention by its lengths: None (not pooled)."""
+    first where the model has ``ref_conv`` (unpooled); with a ``denoise_mask`` (Wan 2.2's
+    image to video: the first frame is the given image, at timestep 0) the first frame kept
+    whole; ``time_dim_concat`` frames after the video (unpooled). A sequence as long as the
+    text (or an image prompt's ``clip_fea``) cannot be told from cross-attention by its
+    lengths: None (not pooled)."""
     if x.dim() != 5:
         return None
     pt, ph, pw = (int(v) for v in getattr(model, "patch_size", (1, 2, 2)))
@@ -43,6 +45,8 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     ref = conds.get("reference_latent")
     before = math.prod(tokens(ref, (ph, pw))) \
         if isinstance(ref, torch.Tensor) and getattr(model, "ref_conv", None) is not None else 0
+    if isinstance(conds.get("denoise_mask"), torch.Tensor) and frames > 1:
+        before, frames = before + h * w, frames - 1  # Wan 2.2 TI2V: the image's frame
     extra = conds.get("time_dim_concat")
     after = tokens(extra, (pt, ph, pw))[0] * h * w if isinstance(extra, torch.Tensor) else 0
     keys = [t.shape[-2] for t in (context, conds.get("clip_fea")) if isinstance(t, torch.Tensor)]
