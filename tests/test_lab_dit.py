@@ -23,6 +23,37 @@ def test_dit_bench_quick_runs_every_variant(tmp_path, capsys):
     assert "DiT bench on" in out and "should be kept in float32" not in out
 
 
+def test_dit_bench_quick_covers_qwen_and_a_video_dit(tmp_path):
+    """Qwen-Image and Wan (a video: its rows are WxHxF, with the 2x2x2 variant), the library's
+    memory check per size and the auto policy's decision."""
+    from tome.lab import dit_bench
+    assert dit_bench.main(["--quick", "--models", "qwen,wan", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "dit_bench.json").read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert set(rows["qwen"]["ms"]) == {"none", "x2", "x4", "x2 before", "ceiling"}
+    assert set(rows["wan"]["ms"]) == {"none", "x2", "x4", "x2 2x2x2", "ceiling"}
+    assert rows["wan"]["px"] == "64x48x5" and rows["wan"]["image_tokens"] == 2 * 3 * 4
+    assert all(r["memory"]["own"]["fits"] and r["auto"] for r in rows.values())
+    text = (tmp_path / "dit_bench.md").read_text()
+    assert "| wan | 64x48x5 | 24 |" in text and "with the score matrix" in text
+
+
+def test_video_quality_compares_2x2_and_2x2x2():
+    from tome.lab import dit_shapes, video_quality
+    size = dit_shapes.Size.parse("128x96x9")
+    model = dit_shapes.build("wan", (1, 0), True, torch.float32)
+    video_quality.unit_norms(model)
+    rows = video_quality.evaluate(model, size, 0.5, torch.float32, True,
+                                  {k: video_quality.SETTINGS[k] for k in ("x2", "x2 2x2x2")})
+    assert [r["setting"] for r in rows] == ["x2", "x2 2x2x2"]
+    for r in rows:
+        att = r["attention"]
+        assert len(att["psnr_per_frame"]) == 3 and len(att["motion_error"]) == 2
+        assert 0 < att["psnr"] < float("inf") and att["motion_ratio"] > 0
+    assert rows[0]["attention"]["psnr"] != rows[1]["attention"]["psnr"]
+    assert "| x2 2x2x2 | attention |" in video_quality.table(rows)
+
+
 def test_tiny_dit_samples_deterministically():
     from tome.lab import tinydit
     try:

@@ -1,7 +1,9 @@
-"""DiT speed: Flux- and SD3-shaped transformers, unpooled against pooled image keys/values.
+"""DiT speed: Flux-, SD3-, Qwen-Image- and Wan-shaped transformers, unpooled against pooled
+image keys/values.
 
     python -m tome.lab.dit_bench            # Flux and SD3 at 512, 768, 1024 and 2048 px
-    python -m tome.lab.dit_bench --quick    # tiny widths at 256 and 512 px, one round (a test)
+    python -m tome.lab.dit_bench --models qwen,wan --sizes 1024,2048 --video-sizes 832x480x33
+    python -m tome.lab.dit_bench --quick    # tiny widths at small sizes, one round (a test)
 
 The models are diffusers' ``FluxTransformer2DModel`` with FLUX.1-dev's config (24 heads x 128
 = 3072 wide, T5 width 4096, pooled CLIP 768, RoPE axes 16/56/56, guidance embedding) and
@@ -12,6 +14,16 @@ blocks), each with random weights (std 0.02) and only a few blocks (``--flux-blo
 changes, and a few of each kind show its cost against the rest of the model. Text as the
 pipelines use it: Flux 512 T5 tokens, SD3 333 (77 CLIP + 256 T5). Image tokens: (px / 16)^2
 for both (latent px/8; Flux packs 2x2, SD3 patches 2x2). Batch 1.
+
+Qwen-Image: ``QwenImageTransformer2DModel`` with Qwen/Qwen-Image's config (24 heads x 128 =
+3072 wide, Qwen2.5-VL width 3584, RoPE axes 16/56/56), ``--qwen-blocks`` double-stream blocks,
+a 128-token prompt (its pipelines do not pad), (px / 16)^2 image tokens. Wan: a video DiT,
+``WanTransformer3DModel`` with Wan2.1-T2V-1.3B's config (12 heads x 128 = 1536 wide, FFN 8960,
+umT5 width 4096; ``--wan-width 14b``: the 14B's 40 heads, 5120 wide, FFN 13824),
+``--wan-blocks`` blocks, 512 text tokens (cross-attention), at ``--video-sizes`` WxHxF:
+832x480x33 is 9 latent frames of 60 x 104 (VAE 4x in time, 8x in space), 9 x 30 x 52 = 14040
+video tokens in every self-attention. Its variants add ``x2 2x2x2``: cells of 2x2 tokens and
+2 frames (the temporal factor; not a setting: patched in for measuring).
 
 Variants, interleaved round-robin in one run (A B C, C B A, ...), each the median of
 ``--rounds``: ``none`` (unpatched), ``x2`` and ``x4`` (``tome.apply_patch(model,
@@ -45,114 +57,84 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import memory, policy
+from tome import dit, layout, measure, memory, policy
+from tome.layout import channels
 from tome.measurements import MeasurementCache, Measurer
 
 from . import timing
 from .device import DEVICES, machine, pick_device, pick_dtype
+from .dit_shapes import (
+    FAMILIES,
+    VIDEO,
+    Size,
+    build,
+    inputs,
+    parameters,
+    sd3_dual,
+    text_tokens,
+    width,
+)
 from .models import DTYPES
 
-# black-forest-labs/FLUX.1-dev transformer/config.json, less its depth (19 double, 38 single).
-FLUX = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24,
-            joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-            axes_dims_rope=(16, 56, 56))
-# stabilityai/stable-diffusion-3.5-medium transformer/config.json, less its depth (24 joint
-# blocks, dual attention in 0-12).
-SD3 = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
-           num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-           pooled_projection_dim=2048, pos_embed_max_size=384, qk_norm="rms_norm")
-TINY_FLUX = dict(FLUX, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                 pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-TINY_SD3 = dict(SD3, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
-                caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=64)
-TEXT = {"flux": 512, "sd3": 333}
-QUICK_TEXT = 8
-LARGE = 2048  # px from which rounds are --rounds-large and "x2 before" is left out
+LARGE = 2048  # px (larger side) from which rounds are --rounds-large and "x2 before" is left out
 # Activations alive at once in one block, as copies of its [tokens, width] input: Flux's single
 # block holds q, k, v, their rotations, the 4x MLP before and after its GELU and the 5x concat.
 ACTIVATION_COPIES = 24
+TEXT_FIRST = ("flux", "qwen")  # joint sequence [text, image]; SD3's is [image, text]
 
 
-def sd3_dual(blocks: int) -> tuple[int, ...]:
-    """SD3.5-medium's dual-attention blocks scaled to ``blocks``: the first half, rounded up
-    (13 of its 24). With 2 blocks: one dual block and the last one (``context_pre_only``)."""
-    return tuple(range((blocks + 1) // 2))
-
-
-def _config(family: str, double: int, single: int, quick: bool) -> tuple[type, dict[str, Any]]:
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-    if family == "flux":
-        return FluxTransformer2DModel, dict(TINY_FLUX if quick else FLUX, num_layers=double,
-                                            num_single_layers=single)
-    if family == "sd3":
-        return SD3Transformer2DModel, dict(TINY_SD3 if quick else SD3, num_layers=double,
-                                           dual_attention_layers=sd3_dual(double))
-    raise ValueError(f"unknown model {family!r}; choose flux or sd3")
-
-
-def parameters(family: str, double: int, single: int, quick: bool = False) -> int:
-    """The model's parameter count, from a build on the meta device (nothing allocated)."""
-    cls, cfg = _config(family, double, single, quick)
-    with torch.device("meta"):
-        return sum(p.numel() for p in cls(**cfg).parameters())
-
-
-def build(family: str, double: int, single: int, quick: bool, dtype: torch.dtype,
-          device: torch.device | str = "cpu"):
-    """The transformer with random weights (std 0.02: activations stay finite). ``double``:
-    Flux's double-stream blocks or SD3's joint blocks; ``single``: Flux's single-stream."""
-    cls, cfg = _config(family, double, single, quick)
-    model = cls(**cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.eval().to(device, dtype)
-
-
-def text_tokens(family: str, quick: bool) -> int:
-    return QUICK_TEXT if quick else TEXT[family]
-
-
-def image_tokens(px: int) -> int:
-    return (px // 16) ** 2
-
-
-def inputs(model, family: str, px: int, dtype: torch.dtype, quick: bool) -> dict[str, Any]:
-    """One call's arguments at ``px`` (latent px/8; Flux packs 2x2, SD3 patches 2x2), on the
-    model's device."""
-    g = torch.Generator().manual_seed(1)
-    cfg = model.config
-    dev = next(model.parameters()).device
-    text = text_tokens(family, quick)
-    lat = px // 8
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dev, dtype)
-
-    ctx, pooled = rand(1, text, cfg.joint_attention_dim), rand(1, cfg.pooled_projection_dim)
-    if family == "flux":
-        h = w = lat // 2
-        ids = torch.zeros(h * w, 3)
-        ids[:, 1] = torch.arange(h).repeat_interleave(w)
-        ids[:, 2] = torch.arange(w).repeat(h)
-        return dict(hidden_states=rand(1, h * w, cfg.in_channels), encoder_hidden_states=ctx,
-                    pooled_projections=pooled, timestep=torch.tensor([0.5], device=dev),
-                    img_ids=ids.to(dev), txt_ids=torch.zeros(text, 3, device=dev),
-                    guidance=torch.tensor([3.5], device=dev) if cfg.guidance_embeds else None)
-    return dict(hidden_states=rand(1, cfg.in_channels, lat, lat), encoder_hidden_states=ctx,
-                pooled_projections=pooled, timestep=torch.tensor([500.0], device=dev))
-
-
-def variants(family: str, px: int = 0, before_large: bool = False
+def variants(family: str, size: Size | int = 0, before_large: bool = False
              ) -> dict[str, dict[str, Any] | None]:
-    """Name -> ``apply_patch`` settings (None: unpatched; the ceiling is the kernel's)."""
+    """Name -> ``apply_patch`` settings (None: unpatched; the ceiling is the kernel's;
+    ``temporal``: frames per cell, patched in by ``temporal_cells``)."""
+    side = size.side if isinstance(size, Size) else size
     out: dict[str, dict[str, Any] | None] = {"none": None, "x2": {"downsample_factor": 2},
                                              "x4": {"downsample_factor": 4}}
-    if family == "flux" and (px < LARGE or before_large):
+    if family in ("flux", "qwen") and (side < LARGE or before_large):
         out["x2 before"] = {"downsample_factor": 2, "rope": "before"}
+    if family in VIDEO:
+        out["x2 2x2x2"] = {"downsample_factor": 2, "temporal": 2}
     out["ceiling"] = None
     return out
+
+
+@contextlib.contextmanager
+def temporal_cells(frames: int):
+    """While inside, the DiT form's plans pool ``frames`` frames deep (``DitPlan.temporal``;
+    not a setting: what measuring the 2x2x2 option needs)."""
+    real, pool3d = dit.DitPool.plan, F.avg_pool3d
+
+    def plan(self: Any, *args: Any, **kwargs: Any) -> dit.DitPlan:
+        p = real(self, *args, **kwargs)
+        return dit.DitPlan(p.h, p.w, p.factor, p.rope, p.proportional, p.frames, frames)
+
+    def avg_pool3d(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # PyTorch's CPU avg_pool3d has no bf16 kernel (torch 2.x): pooled in fp32 here
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            return pool3d(x.float(), *args, **kwargs).to(x.dtype)
+        return pool3d(x, *args, **kwargs)
+    dit.DitPool.plan, F.avg_pool3d = plan, avg_pool3d
+    try:
+        yield
+    finally:
+        dit.DitPool.plan, F.avg_pool3d = real, pool3d
+
+
+@contextlib.contextmanager
+def patched(model, spec: dict[str, Any] | None):
+    """``model`` pooled by ``spec`` (``apply_patch`` settings; None: as it is) for the
+    duration; removed on the way out."""
+    if spec is None:
+        yield
+        return
+    spec = dict(spec)
+    deep = spec.pop("temporal", 1)
+    with temporal_cells(deep) if deep > 1 else contextlib.nullcontext():
+        tome.apply_patch(model, method="downsample", **spec)
+        try:
+            yield
+        finally:
+            tome.remove_patch(model)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -199,9 +181,9 @@ class Kernel:
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
         family, text, image = self.drop
         s = t.shape[-2]
-        if s == text + image:  # joint attention: Flux [text, image], SD3 [image, text]
-            return t[..., :text, :] if family == "flux" else t[..., image:, :]
-        if s == image:         # SD3.5's image-only attn2: one key left
+        if s == text + image and family not in VIDEO:  # joint: [text, image] or [image, text]
+            return t[..., :text, :] if family in TEXT_FIRST else t[..., image:, :]
+        if s == image:  # image-only attention (SD3.5's attn2, Wan's self-attention): one key
             return t[..., :1, :]
         return t
 
@@ -254,14 +236,35 @@ def probe_kernel(model, dtype: torch.dtype) -> set[str]:
     return ops
 
 
-def need_bytes(model, family: str, px: int, quick: bool, scores: bool) -> int:
+def need_bytes(model, family: str, size: Size, quick: bool, scores: bool) -> int:
     """Peak bytes of one unpooled forward above the weights: the activations of one block
-    (``ACTIVATION_COPIES``), plus, where SDPA takes its math path, two fp32 score matrices."""
-    cfg = model.config
-    heads, width = cfg.num_attention_heads, cfg.num_attention_heads * cfg.attention_head_dim
-    n = image_tokens(px) + text_tokens(family, quick)
+    (``ACTIVATION_COPIES``), plus, where SDPA takes its math path, two fp32 score matrices
+    (a video DiT's self-attention: video tokens squared; a joint one: text and image)."""
+    heads = model.config.num_attention_heads
+    n = size.tokens + (0 if family in VIDEO else text_tokens(family, quick))
     elem = next(model.parameters()).element_size()
-    return ACTIVATION_COPIES * n * width * elem + (2 * 4 * heads * n * n if scores else 0)
+    return ACTIVATION_COPIES * n * width(model) * elem + (2 * 4 * heads * n * n if scores else 0)
+
+
+def library_memory(model, size: Size) -> dict[str, Any]:
+    """What the library's memory check (``memory.py``, asked before the auto policy times a
+    block) says of one unpooled block at ``size``: with the model's own kernel, and were it
+    one that holds the score matrix (the math path)."""
+    lay = layout.read(model)
+    block = lay.blocks[0].module
+    tokens = size.tokens
+    backend = measure.attention_backend(lay)
+    out: dict[str, Any] = {"backend": backend, "available": memory.available(
+        next(model.parameters()).device)}
+    for name, kernel in (("own", backend), ("math", "math")):
+        full = memory.full_scores(kernel)
+        need = memory.block_bytes(block, tokens, 1, channels(block), full)
+        try:
+            memory.check([(block, tokens, channels(block))], 1, kernel)
+            out[name] = {"need": need, "fits": True, "full_scores": full}
+        except memory.NotEnoughMemoryError as e:
+            out[name] = {"need": need, "fits": False, "full_scores": full, "line": str(e)}
+    return out
 
 
 def fits(need: int, device: torch.device) -> tuple[bool, int | None]:
@@ -271,45 +274,41 @@ def fits(need: int, device: torch.device) -> tuple[bool, int | None]:
 
 # ----------------------------------------------------------------------------- running
 
-def run_size(model, family: str, px: int, rounds: int, dtype: torch.dtype, quick: bool,
+def run_size(model, family: str, size: Size, rounds: int, dtype: torch.dtype, quick: bool,
              say, before_large: bool = False) -> dict[str, Any]:
     """One size's row: every variant ``rounds`` times, interleaved, medians."""
     device = next(model.parameters()).device
-    args = inputs(model, family, px, dtype, quick)
-    specs = variants(family, px, before_large)
+    args = inputs(model, family, size, dtype, quick)
+    specs = variants(family, size, before_large)
     names = list(specs)
-    text, image = text_tokens(family, quick), image_tokens(px)
+    text, image = text_tokens(family, quick), size.tokens
     times: dict[str, list[float]] = {n: [] for n in names}
     kernel_s: dict[str, list[float]] = {n: [] for n in names}
     kernel, timer = Kernel(device), timing.Timer(device)
     calls = 0
+    what = f"{family} {size.label}"
     with torch.no_grad():
-        if px < LARGE:  # one untimed forward: first-call allocations out of round 1
+        if size.side < LARGE and size.frames == 1:  # first-call allocations out of round 1
             model(**args)
-            say(f"  {family} {px} px: warmed up")
+            say(f"  {what}: warmed up")
         for r in range(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
-                if specs[name] is not None:
-                    tome.apply_patch(model, method="downsample", **specs[name])
                 kernel.reset(drop=(family, text, image) if name == "ceiling" else None)
-                try:
-                    with swapped(kernel):
-                        took, out = timer(lambda: model(**args).sample)
-                finally:
-                    tome.remove_patch(model)
+                with patched(model, specs[name]), swapped(kernel):
+                    took, out = timer(lambda: model(**args).sample)
                 if not torch.isfinite(out).all():
-                    raise RuntimeError(f"{family} {px} px {name}: non-finite output")
+                    raise RuntimeError(f"{what} {name}: non-finite output")
                 del out
                 calls = kernel.calls
                 times[name].append(took)
                 kernel_s[name].append(kernel.seconds())
-            say(f"  {family} {px} px, round {r + 1}/{rounds}: " + ", ".join(
+            say(f"  {what}, round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {times[n][-1]:.2f} s ({kernel_s[n][-1] / times[n][-1]:.0%} attention)"
                 for n in names))
     med = {n: statistics.median(v) for n, v in times.items()}
-    return {"family": family, "px": px, "image_tokens": image, "text_tokens": text,
-            "rounds": rounds, "kernel_calls": calls, "kernel": kernel_name(kernel.ops),
-            "ms": {n: med[n] * 1e3 for n in names},
+    return {"family": family, "px": size.label, "frames": size.frames, "image_tokens": image,
+            "text_tokens": text, "rounds": rounds, "kernel_calls": calls,
+            "kernel": kernel_name(kernel.ops), "ms": {n: med[n] * 1e3 for n in names},
             "range_ms": {n: [min(v) * 1e3, max(v) * 1e3] for n, v in times.items()},
             "attention_ms": {n: statistics.median(v) * 1e3 for n, v in kernel_s.items()},
             "attention_share": {n: statistics.median(k / t for k, t in zip(kernel_s[n], times[n]))
@@ -321,9 +320,9 @@ class _DecidedError(Exception):
     """Stops the forward once the transformer's pre-hook has decided."""
 
 
-def auto_decision(model, family: str, px: int, dtype: torch.dtype, quick: bool,
+def auto_decision(model, family: str, size: Size, dtype: torch.dtype, quick: bool,
                   rounds: int = 5, warmup: int = 1) -> dict[str, Any]:
-    """What the auto policy decides at ``px`` on this machine: ``apply_patch(policy="auto")``
+    """What the auto policy decides at ``size`` on this machine: ``apply_patch(policy="auto")``
     with a throw-away measurement cache, then a forward that stops right after the
     transformer's pre-hook (where it measures one block of each kind and decides; the blocks
     would only run what was decided). ``rounds``/``warmup``: the measurer's (its defaults
@@ -342,7 +341,7 @@ def auto_decision(model, family: str, px: int, dtype: torch.dtype, quick: bool,
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                model(**inputs(model, family, px, dtype, quick))
+                model(**inputs(model, family, size, dtype, quick))
         except _DecidedError:
             pass
         finally:
@@ -364,7 +363,7 @@ def break_even(rows: list[dict[str, Any]], variant: str = "x2",
     out: dict[str, str] = {}
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = sorted((r for r in rows if r["family"] == family and variant in r.get(
-            "speedup", {})), key=lambda r: r["px"])
+            "speedup", {})), key=lambda r: r["image_tokens"])
         if not mine:
             continue
         pays = [r["speedup"][variant] >= 1 + margin for r in mine]
@@ -382,42 +381,78 @@ def break_even(rows: list[dict[str, Any]], variant: str = "x2",
     return out
 
 
+def _auto_text(auto: dict[str, Any] | None) -> str:
+    if auto is None:
+        return "-"
+    if auto["pooled"] is None:
+        return "undecided"
+    text = "pooled x2" if auto["pooled"] else "unpooled"
+    if auto["measured_speedup"]:
+        return text + f" ({auto['measured_speedup']:.2f}x measured)"
+    video = any("video" in line for line in auto.get("lines", ()))
+    return text + (" (token threshold; video grids not timed)" if video
+                   else " (token threshold)")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | px | image tokens | unpooled | x2 | x4 | x2 before | ceiling | "
-             "attention share | auto |", "|---|---|---|---|---|---|---|---|---|---|"]
+    video = any(r.get("frames", 1) > 1 for r in rows)
+    lines = ["| model | px | image tokens | unpooled | x2 | x4 | x2 before | "
+             + ("x2 2x2x2 | " if video else "") + "ceiling | attention share | auto |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if video else "")]
+    names = ["x2", "x4", "x2 before"] + (["x2 2x2x2"] if video else []) + ["ceiling"]
+    blank = " |" * (len(names) + 2)
     for r in rows:
         head = f"| {r['family']} | {r['px']} | {r['image_tokens']} |"
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"{head} skipped: {r['skipped']}{blank[2:]}")
             continue
-        auto = r.get("auto")
-        auto_text = "-" if auto is None else (
-            ("pooled x2" if auto["pooled"] else "unpooled") if auto["pooled"] is not None
-            else "undecided") + (f" ({auto['measured_speedup']:.2f}x measured)"
-                                 if auto["measured_speedup"] else " (token threshold)")
+        auto_text = _auto_text(r.get("auto"))
         if "ms" not in r:  # --auto-only
-            lines.append(f"{head} | | | | | | {auto_text} |")
+            lines.append(f"{head}{blank[:-2]} {auto_text} |")
             continue
         s = r["speedup"]
 
         def cell(n: str, r: dict[str, Any] = r, s: dict[str, float] = s) -> str:
             return f"{r['ms'][n] / 1e3:.2f} s, {s[n]:.2f}x" if n in s else "-"
-        lines.append(f"{head} {r['ms']['none'] / 1e3:.2f} s | {cell('x2')} | {cell('x4')} | "
-                     f"{cell('x2 before')} | {cell('ceiling')} | "
-                     f"{r['attention_share']['none']:.0%} | {auto_text} |")
+        lines.append(f"{head} {r['ms']['none'] / 1e3:.2f} s | "
+                     + " | ".join(cell(n) for n in names)
+                     + f" | {r['attention_share']['none']:.0%} | {auto_text} |")
+    return "\n".join(lines)
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    """The library's memory check per size: one unpooled block, its own kernel and the math
+    path."""
+    lines = ["| model | px | image tokens | kernel | one block needs | fits | with the score "
+             "matrix (math path) | fits | available |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.get("memory")
+        if not m:
+            continue
+        lines.append(f"| {r['family']} | {r['px']} | {r['image_tokens']} | {m['backend']} | "
+                     f"{memory.gib(m['own']['need'])} | {'yes' if m['own']['fits'] else 'no'} | "
+                     f"{memory.gib(m['math']['need'])} | {'yes' if m['math']['fits'] else 'no'} "
+                     f"| {memory.gib(m['available'] or 0)} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tome.lab.dit_bench",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="flux,sd3")
-    ap.add_argument("--sizes", default="512,768,1024,2048", help="px, comma-separated")
+    ap.add_argument("--models", default="flux,sd3", help=f"from {','.join(FAMILIES)}")
+    ap.add_argument("--sizes", default="512,768,1024,2048",
+                    help="image families' px (square), comma-separated")
+    ap.add_argument("--video-sizes", default="832x480x33",
+                    help="video families' WxHxF (px and frames), comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds below 2048 px")
     ap.add_argument("--rounds-large", type=int, default=1, help="rounds at 2048 px and above")
     ap.add_argument("--flux-blocks", default="1,1", help="Flux double,single-stream blocks")
     ap.add_argument("--sd3-blocks", type=int, default=2,
                     help="SD3 joint blocks (the first half with dual attention)")
+    ap.add_argument("--qwen-blocks", type=int, default=2, help="Qwen-Image blocks")
+    ap.add_argument("--wan-blocks", type=int, default=2, help="Wan blocks")
+    ap.add_argument("--wan-width", choices=("1.3b", "14b"), default="1.3b",
+                    help="Wan 2.1 1.3B's width (1536, 12 heads) or 14B's (5120, 40 heads)")
     ap.add_argument("--before-large", action="store_true",
                     help="also time 'x2 before' at 2048 px and above")
     ap.add_argument("--no-auto", action="store_true", help="skip the auto policy's decisions")
@@ -427,17 +462,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the auto policy's measuring rounds at 2048 px and above (no warm-up; "
                          "below: the library's 5 after 1 warm-up)")
     ap.add_argument("--quick", action="store_true",
-                    help="tiny widths at 256 and 512 px, one round (seconds: a smoke test)")
+                    help="tiny widths at small sizes, one round (seconds: a smoke test)")
     ap.add_argument("--device", choices=DEVICES, default="auto")
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                     help="auto: bf16 where native on a CPU (AMX, AVX512-BF16), fp16 on GPUs")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", default="out/dit_bench")
     args = ap.parse_args(argv)
-    sizes = [256, 512] if args.quick else [int(s) for s in args.sizes.split(",")]
+    images = [Size.parse(v) for v in ("256,512" if args.quick else args.sizes).split(",")]
+    videos = [Size.parse(v) for v in ("64x48x5" if args.quick else args.video_sizes).split(",")]
     rounds = 1 if args.quick else args.rounds
     double, single = (int(v) for v in args.flux_blocks.split(","))
-    blocks = {"flux": (double, single), "sd3": (args.sd3_blocks, 0)}
+    blocks = {"flux": (double, single), "sd3": (args.sd3_blocks, 0),
+              "qwen": (args.qwen_blocks, 0), "wan": (args.wan_blocks, 0)}
+    wide = args.wan_width == "14b"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -452,46 +490,54 @@ def main(argv: list[str] | None = None) -> int:
     say(f"DiT bench on {machine(device)}; {why}")
     rows: list[dict[str, Any]] = []
     for family in args.models.split(","):
-        d, s = blocks[family]
-        n = parameters(family, d, s, args.quick)
+        n = parameters(family, blocks[family], args.quick, wide)
         ok, free = fits(n * 4 * 2, device)  # built in fp32, then cast: both alive at once
         if not ok:
             say(f"{family}: skipped: {n / 1e6:.0f}M parameters need about "
                 f"{memory.gib(n * 8)} to build, {memory.gib(free or 0)} available")
             continue
         t0 = time.perf_counter()
-        model = build(family, d, s, args.quick, dtype, device)
+        model = build(family, blocks[family], args.quick, dtype, device, wide)
         ops = probe_kernel(model, dtype)
-        say(f"{family}: {d} {'double-stream' if family == 'flux' else 'joint'}"
-            + (f" + {s} single-stream" if family == "flux" else
-               f" ({len(sd3_dual(d))} with dual attention)")
-            + f" block(s), {n / 1e6:.0f}M parameters, built in {time.perf_counter() - t0:.0f} s; "
-            f"attention kernel: {kernel_name(ops)}")
-        for px in sizes:
-            large = px >= LARGE
-            need = need_bytes(model, family, px, args.quick, full_scores(ops))
+        d, s = blocks[family]
+        kinds = {"flux": f" + {s} single-stream", "sd3": f" ({len(sd3_dual(d))} with dual "
+                 "attention)", "wan": f" ({width(model)} wide)"}
+        kind = {"flux": "double-stream ", "qwen": "double-stream ", "sd3": "joint "}.get(
+            family, "")
+        say(f"{family}: {d} {kind}block(s){kinds.get(family, '')}, {n / 1e6:.0f}M parameters, "
+            f"built in {time.perf_counter() - t0:.0f} s; attention kernel: {kernel_name(ops)}")
+        for size in videos if family in VIDEO else images:
+            large = size.side >= LARGE
+            head = {"family": family, "px": size.label, "frames": size.frames,
+                    "image_tokens": size.tokens}
+            need = need_bytes(model, family, size, args.quick, full_scores(ops))
             ok, free = fits(need, device)
             if not ok:
-                row = {"family": family, "px": px, "image_tokens": image_tokens(px),
-                       "skipped": f"needs about {memory.gib(need)}, "
-                                  f"{memory.gib(free or 0)} available"}
+                row = dict(head, skipped=f"needs about {memory.gib(need)}, "
+                                         f"{memory.gib(free or 0)} available")
                 rows.append(row)
-                say(f"{family} {px} px: skipped: a forward {row['skipped']}")
+                say(f"{family} {size.label}: skipped: a forward {row['skipped']}")
                 continue
+            mem = library_memory(model, size)
+            say(f"  {family} {size.label}, memory check of one unpooled block: "
+                f"{memory.gib(mem['own']['need'])} with {mem['backend']} "
+                f"({'fits' if mem['own']['fits'] else 'does not fit'}), "
+                f"{memory.gib(mem['math']['need'])} with the score matrix "
+                f"({'fits' if mem['math']['fits'] else 'does not fit'}), "
+                f"{memory.gib(mem['available'] or 0)} available")
             auto = None
             if not args.no_auto:
-                auto = auto_decision(model, family, px, dtype, args.quick,
+                auto = auto_decision(model, family, size, dtype, args.quick,
                                      *((args.auto_rounds_large, 0) if large else (5, 1)))
-                say(f"  {family} {px} px, auto ({auto['seconds']:.0f} s): {auto['reason']}")
+                say(f"  {family} {size.label}, auto ({auto['seconds']:.0f} s): {auto['reason']}")
                 if args.auto_only:
-                    rows.append({"family": family, "px": px, "image_tokens": image_tokens(px),
-                                 "auto": auto})
+                    rows.append(dict(head, auto=auto, memory=mem))
                     continue
-            row = run_size(model, family, px, args.rounds_large if large else rounds, dtype,
+            row = run_size(model, family, size, args.rounds_large if large else rounds, dtype,
                            args.quick, say, args.before_large)
-            row["auto"] = auto
+            row["auto"], row["memory"] = auto, mem
             rows.append(row)
-            say(f"{family} {px} px ({row['image_tokens']} image tokens): unpooled "
+            say(f"{family} {size.label} ({row['image_tokens']} image tokens): unpooled "
                 f"{row['ms']['none'] / 1e3:.2f} s, " + ", ".join(
                     f"{v} {x:.2f}x" for v, x in row["speedup"].items() if v != "none")
                 + f"; attention {row['attention_share']['none']:.0%} of the forward ("
@@ -504,9 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "dit_bench.json").write_text(json.dumps(
         {"machine": machine(device), "dtype": name, "dtype_reason": why,
-         "blocks": {f: list(b) for f, b in blocks.items()}, "break_even": even, "rows": rows},
-        indent=1))
-    text = table(rows)
+         "blocks": {f: list(b) for f, b in blocks.items()}, "wan_width": args.wan_width,
+         "break_even": even, "rows": rows}, indent=1))
+    text = table(rows) + "\n\n" + memory_table(rows)
     (out / "dit_bench.md").write_text(text + "\n")
     print(text)
     return 0
