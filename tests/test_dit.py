@@ -276,7 +276,7 @@ def test_merge_has_no_dit_form_and_other_dits_are_named():
         def __init__(self):
             super().__init__()
             self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-    with pytest.raises(tome.UnsupportedModelError, match="QwenLike.*Flux and SD3"):
+    with pytest.raises(tome.UnsupportedModelError, match="QwenLike.*reads: diffusers flux, sd3"):
         tome.apply_patch(QwenLike(), method="downsample")
 
 
