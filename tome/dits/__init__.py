@@ -20,15 +20,16 @@ Adding a DiT family:
      ``attend.attend``), ``inputs`` (one block's call for measuring), and where needed
      ``attentions``, ``check`` (a library version the maths do not match), ``shadow``
      (a model without processors: A1111's MMDiT) and ``attention``;
-   - for a host's own patch form (ComfyUI's attn1 DiT call form): ``name``, ``recognise``
-     and ``read`` only; the form lives with its adapter (``patcher.py``);
+   - for a host's own patch point (ComfyUI's attention override, Forge Neo's): ``name``,
+     ``recognise`` and ``read``, plus what that adapter reads of the family (e.g.
+     ``comfy_flux.spans``), named to it in ``adapters.py``;
 2. one line here: its module in ``BUILTIN`` (a family outside the library calls
    ``register(FAMILY)`` itself; ``unregister(name)`` undoes it);
 3. tests: the reader, a pooled call against a hand-written reference and factor 1 against
    the library's own bits, removal bit-exact (``tests/test_dits.py`` proves the recipe with
    a toy family defined in the test file);
-4. docs: the model lists (README, ``docs/development.md``'s readers) and ``layout``'s "not
-   supported" message where it names DiTs.
+4. docs: the model lists (README, ``docs/development.md``); ``layout``'s "not supported"
+   message names the registered families itself.
 """
 
 from __future__ import annotations
