@@ -617,21 +617,13 @@ def test_measure_node_on_a_dit_says_why_each_row_is_not_measured(user_dir, lines
     assert image.shape[0] == 1 and image.shape[-1] == 3
 
 
-def test_comfy_qwen_image_is_read_as_a_dit_and_diffusers_qwen_is_named():
-    """ComfyUI's Qwen-Image is read as a DiT of double blocks; the diffusers class of the
-    same name is not (no adapter for it)."""
+def test_comfy_qwen_image_and_wan_are_read_as_dits():
+    """ComfyUI's Qwen-Image (double-stream blocks) and Wan (its blocks, 2x2 latent pixels per
+    token) are read by their families, as the node's lines name them."""
     from tome import layout
-
-    def qwen(module):
-        cls = type("QwenImageTransformer2DModel", (torch.nn.Module,), {"__module__": module})
-        m = cls()
-        m.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-        m.pe_embedder, m.patch_size = torch.nn.Identity(), 2
-        return m
-    read = layout.read(qwen("comfy.ldm.qwen_image.model"))
-    assert read.family == "comfy qwen-image" and [b.kind for b in read.blocks] == ["double"] * 3
-    with pytest.raises(layout.UnsupportedModelError, match="QwenImageTransformer2DModel"):
-        layout.read(qwen("diffusers.models.transformers.transformer_qwenimage"))
+    qwen, wan = (layout.read(dit_model(f).model) for f in ("qwen", "wan"))
+    assert qwen.family == "comfy qwen-image" and [b.kind for b in qwen.blocks] == ["double"] * 2
+    assert wan.family == "comfy wan" and len(wan.blocks) == 2 and wan.dit.patch == 2
 
 
 # ------------------------------------------ the attn1 DiT form (patcher.py; no longer chosen)

@@ -271,7 +271,8 @@ class OverridePatch:
         policy, no block pooled at this step). Reads the sigma on the host once, only where a
         window or a per-step schedule needs it (``Planner.begin``)."""
         p = self.layout.dit.patch
-        call = self.planner.begin((spans.h * p, spans.w * p), device, sigmas, batch)
+        call = self.planner.begin((spans.frames, spans.h * p, spans.w * p), device, sigmas,
+                                  batch)
         if call is None:
             return None
         tokens = spans.image
