@@ -351,3 +351,48 @@ def test_other_qwen_and_wan_classes_are_not_these_families():
     class QwenImageTransformer2DModel(torch.nn.Module):
         pass
     assert dits.find(QwenImageTransformer2DModel()) is None
+
+
+# ----------------------------------------------------------------------------- HunyuanVideo
+
+def _hunyuan(condition=None):
+    return _randomise(diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 4, 4),
+        image_condition_type=condition, guidance_embeds=False))
+
+
+def hunyuan_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(2, 4, F_, 2 * H, 2 * W, generator=g),
+                timestep=torch.full((2,), 700.0),
+                encoder_hidden_states=torch.randn(2, 6, 16, generator=g),
+                encoder_attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
+                pooled_projections=torch.randn(2, 8, generator=g))
+
+
+@pytest.mark.parametrize("condition,kept", [(None, 0), ("token_replace", 1)])
+def test_hunyuan_video_pools_the_video_keeps_text_and_condition(condition, kept, monkeypatch):
+    """Double- and single-stream blocks pool the video's keys per frame ([video, text], the
+    text mask kept); image-to-video keeps the condition frame's keys; factor 1 is diffusers'
+    bits; removal is exact."""
+    model, inputs = _hunyuan(condition), hunyuan_inputs()
+    ref = run(model, inputs)
+    tome.apply_patch(model, method="downsample", downsample_factor=1)
+    try:
+        assert torch.equal(run(model, inputs), ref)
+    finally:
+        tome.remove_patch(model)
+    tome.apply_patch(model, method="downsample", proportional=True)
+    try:
+        assert tome.patch_report(model).patched_blocks == 2
+        keys = _Keys(monkeypatch)
+        out = run(model, inputs)
+        video = kept * H * W + (F_ - kept) * (H // 2) * (W // 2)
+        assert keys.lengths[-2:] == [video + 6] * 2  # the refiner's text attention first
+        assert not torch.equal(out, ref) and torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+    finally:
+        tome.remove_patch(model)
+    assert torch.equal(run(model, inputs), ref)

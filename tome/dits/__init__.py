@@ -43,6 +43,7 @@ from . import (
     comfy_qwen,
     comfy_wan,
     flux,
+    hunyuan_video,
     mmdit,
     neo_flux,
     neo_lumina,
@@ -98,7 +99,7 @@ def attention(block: nn.Module) -> nn.Module | None:
 
 
 # The built-in families, in the order they are tried.
-BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan,
+BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan, hunyuan_video,
            neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)  # Nunchaku's before Neo's
 for _module in BUILTIN:
     register(_module.FAMILY)

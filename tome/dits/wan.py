@@ -37,12 +37,14 @@ def diffusers_class(*names: str):
 
 @dataclass(frozen=True)
 class VideoDit(Dit):
-    """A video DiT's facts: also its latent frames per token (Wan: 1) and the text its
-    cross-attention reads (its self-attention, the pooled one, has none: ``text_tokens``
-    0)."""
+    """A video DiT's facts: also its latent frames per token (Wan: 1), the text its blocks
+    read (Wan's cross-attention; its self-attention, the pooled one, has none:
+    ``text_tokens`` 0) and whether every call's first frame is a conditioning image whose
+    keys stay whole (HunyuanVideo's image-to-video)."""
 
     frame_patch: int = 1
     context_tokens: int = TEXT_TOKENS
+    keep_first: bool = False
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
