@@ -169,8 +169,9 @@ class Kernel:
     kernels are synchronous), records the aten kernels it dispatched to, and for the ceiling
     (``drop = (family, text, image)``) passes the kernel the text's keys and values only."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", clock: str = "wall"):
         self.device = torch.device(device)
+        self.now = time.thread_time if clock == "cpu" else time.perf_counter
         self.real: Any = None
         self.ops: set[str] = set()
         self.reset()
@@ -200,11 +201,11 @@ class Kernel:
             self._events.append((start, end))
             return out
         timing.synchronize(self.device)
-        t0 = time.perf_counter()
+        t0 = self.now()
         with _Ops(self.ops):
             out = self.real(query, key, value, *args, **kwargs)
         timing.synchronize(self.device)
-        self._seconds += time.perf_counter() - t0
+        self._seconds += self.now() - t0
         return out
 
     def seconds(self) -> float:
@@ -275,8 +276,10 @@ def fits(need: int, device: torch.device) -> tuple[bool, int | None]:
 # ----------------------------------------------------------------------------- running
 
 def run_size(model, family: str, size: Size, rounds: int, dtype: torch.dtype, quick: bool,
-             say, before_large: bool = False) -> dict[str, Any]:
-    """One size's row: every variant ``rounds`` times, interleaved, medians."""
+             say, before_large: bool = False, clock: str = "wall") -> dict[str, Any]:
+    """One size's row: every variant ``rounds`` times, interleaved, medians (``clock``:
+    ``timing.Timer``'s: ``cpu`` counts this thread's CPU time, for one thread on a machine
+    others load)."""
     device = next(model.parameters()).device
     args = inputs(model, family, size, dtype, quick)
     specs = variants(family, size, before_large)
@@ -284,7 +287,7 @@ def run_size(model, family: str, size: Size, rounds: int, dtype: torch.dtype, qu
     text, image = text_tokens(family, quick), size.tokens
     times: dict[str, list[float]] = {n: [] for n in names}
     kernel_s: dict[str, list[float]] = {n: [] for n in names}
-    kernel, timer = Kernel(device), timing.Timer(device)
+    kernel, timer = Kernel(device, clock), timing.Timer(device, clock)
     calls = 0
     what = f"{family} {size.label}"
     with torch.no_grad():
@@ -307,7 +310,7 @@ def run_size(model, family: str, size: Size, rounds: int, dtype: torch.dtype, qu
                 for n in names))
     med = {n: statistics.median(v) for n, v in times.items()}
     return {"family": family, "px": size.label, "frames": size.frames, "image_tokens": image,
-            "text_tokens": text, "rounds": rounds, "kernel_calls": calls,
+            "text_tokens": text, "rounds": rounds, "clock": clock, "kernel_calls": calls,
             "kernel": kernel_name(kernel.ops), "ms": {n: med[n] * 1e3 for n in names},
             "range_ms": {n: [min(v) * 1e3, max(v) * 1e3] for n, v in times.items()},
             "attention_ms": {n: statistics.median(v) * 1e3 for n, v in kernel_s.items()},
@@ -467,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                     help="auto: bf16 where native on a CPU (AMX, AVX512-BF16), fp16 on GPUs")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (with --threads 1 on a shared machine)")
     ap.add_argument("--out", default="out/dit_bench")
     args = ap.parse_args(argv)
     images = [Size.parse(v) for v in ("256,512" if args.quick else args.sizes).split(",")]
@@ -487,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffusers.utils import logging as diffusers_logging
     diffusers_logging.set_verbosity_error()  # its dtype advice is not for random-weight models
-    say(f"DiT bench on {machine(device)}; {why}")
+    say(f"DiT bench on {machine(device)}; {why}; {args.clock} clock")
     rows: list[dict[str, Any]] = []
     for family in args.models.split(","):
         n = parameters(family, blocks[family], args.quick, wide)
@@ -534,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(dict(head, auto=auto, memory=mem))
                     continue
             row = run_size(model, family, size, args.rounds_large if large else rounds, dtype,
-                           args.quick, say, args.before_large)
+                           args.quick, say, args.before_large, args.clock)
             row["auto"], row["memory"] = auto, mem
             rows.append(row)
             say(f"{family} {size.label} ({row['image_tokens']} image tokens): unpooled "
