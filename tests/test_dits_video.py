@@ -396,3 +396,34 @@ def test_hunyuan_video_pools_the_video_keeps_text_and_condition(condition, kept,
     finally:
         tome.remove_patch(model)
     assert torch.equal(run(model, inputs), ref)
+
+
+def test_wan_pooling_adds_few_ops_and_no_host_sync(wan):
+    """One Wan self-attention call pooled against the original processor, counted with a
+    TorchDispatchMode: a handful of extra ops (pooling keys, values and positions), none
+    reading back to the host, no scatter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    attn = wan.blocks[0].attn1
+    hs = torch.randn(2, F_ * H * W, 24)
+    emb = wan.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+        dit.DitPlan(H, W, 2, "pooled", True, F_), 0))
+    with torch.no_grad():
+        wrapper(attn, hs, None, None, emb)  # the call's first block pools the positions
+        with Ops() as pooled:
+            wrapper(attn, hs, None, None, emb)
+        with Ops() as base:
+            attn.processor(attn, hs, None, None, emb)
+    assert not {"_local_scalar_dense", "item", "nonzero"} & set(pooled.ops)
+    assert not [o for o in pooled.ops if "scatter" in o or "index_put" in o]
+    assert len(pooled.ops) - len(base.ops) <= 24, (len(pooled.ops), len(base.ops))
