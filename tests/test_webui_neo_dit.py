@@ -94,10 +94,14 @@ def test_pooled_flux_call_matches_a_hand_written_reference():
         clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
             method="downsample", downsample_factor=2, rope=rope, proportional=False))
         ours = clone.model_options["model_function_wrapper"]
-        ours.state = ours.core.begin(override.Spans(text, True, 0, 1, h, w), None, q.device, b)
-        pooled = swap.Pooled(ours, adapters.NEO["forge neo flux"].points[0])
+        state = ours.core.begin(override.Spans(text, True, 0, 1, h, w), None, q.device, b)
+        pooled = swap.pooled(adapters.NEO["forge neo flux"].points[0])
         pooled.original = flux.attention
-        got = pooled(q, k, v, pe)
+        swap._call.update(state=state, rope=rope, masks=False, block=0)
+        try:
+            got = pooled(q, k, v, pe)
+        finally:
+            swap._call.update(state=None)
         rq, rk = flux.apply_rope(q, k, pe)
         if rope == "before":
             keys = cells(rk)
@@ -257,3 +261,37 @@ def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
     biased = latent(webui, dit(proportional=True), cfg_scale=1)
     assert torch.isfinite(biased).all() and not torch.equal(plain, biased)
     assert "not applied on this host" not in capsys.readouterr().out
+
+
+def test_a_compiled_model_is_not_recompiled_from_step_to_step():
+    """Neo's compile extension compiles ``diffusion_model`` inside ``apply_model``: the swapped
+    global is one stable object with plain-int state, so the graphs compiled at the first
+    pooled step serve every later step and generation (and pool as eager does)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = neo.NeoModel("flux")
+    webui = WebUI(model)
+    eager = latent(webui, dit(), cfg_scale=1)
+    kmodel = model.forge_objects.unet.model
+    net, apply_model, counter = kmodel.diffusion_model, kmodel.apply_model, CompileCounter()
+    compiled = torch.compile(net, backend=counter)
+
+    def apply_compiled(*args, **kwargs):  # as Neo's sd_forge_compile wraps it
+        kmodel.diffusion_model = compiled
+        try:
+            return apply_model(*args, **kwargs)
+        finally:
+            kmodel.diffusion_model = net
+
+    kmodel.apply_model = apply_compiled
+    torch._dynamo.reset()
+    try:
+        first = latent(webui, dit(), cfg_scale=1)
+        frames = counter.frame_count
+        second = latent(webui, dit(), cfg_scale=1)
+        assert counter.frame_count == frames
+    finally:
+        kmodel.apply_model = apply_model
+        torch._dynamo.reset()
+    torch.testing.assert_close(first, eager)
+    assert torch.equal(first, second)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import dit, override, patcher
+from . import dit, merge, override, patcher
 from .config import ToMeConfig
 from .report import PatchReport
 
@@ -91,24 +91,32 @@ def _with(where: tuple[int, str], args: tuple, kwargs: dict, value: Any) -> tupl
     return (*args[:pos], value, *args[pos + 1:]), kwargs
 
 
-class Pooled:
-    """The pooling stand-in for one point: one stable object per swap (a compiled model
-    guards on the global's identity) holding the function it replaced in this call."""
+# The current model call, read by the pooling callables: plain values only (a compiled model
+# guards on what it reads here: one graph per grid and pooled state, never one per patch);
+# ``run`` fills it around the call and puts back what was there.
+_call: dict[str, Any] = {"state": None, "rope": "before", "masks": False, "block": 0,
+                         "fired": False, "skip": None}
 
-    def __init__(self, swap: Swap, point: Point):
-        self.swap, self.point, self.original = swap, point, None
+
+class Pooled:
+    """The pooling stand-in for one point: one object per point for the process (a compiled
+    model guards on the global's identity), holding the function it replaced in the current
+    call; what to pool comes from ``_call``."""
+
+    def __init__(self, point: Point):
+        self.point, self.original = point, None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
-        point, original, swap = self.point, self.original, self.swap
-        swap.fired = True
-        found = swap.plan_for(q, k, point.dim, kwargs.get("transformer_options"))
+        point, original, call = self.point, self.original, _call
+        call["fired"] = True
+        found = plan_for(call, q, k, point.dim, kwargs.get("transformer_options"))
         if found is None:
             return original(q, k, v, *args, **kwargs)
         plan, start = found
         n = k.shape[point.dim]
         if _arg(point.mask, args, kwargs) is not None:
-            swap.skip("an attention mask (pooling would misalign it)")
+            call["skip"]("an attention mask (pooling would misalign it)")
             return original(q, k, v, *args, **kwargs)
         pe = _arg(point.pe, args, kwargs) if point.pe is not None else None
         if pe is not None:  # the host rotates inside: rotate here, pass no embedding on
@@ -118,10 +126,42 @@ class Pooled:
             args, kwargs = _with(point.pe, args, kwargs, None)
         else:
             k = plan.pool(k, start, point.dim)
-        bias = plan.bias(start, n, k.device) if swap.masks else None
+        bias = plan.bias(start, n, k.device) if call["masks"] else None
         if bias is not None:
             args, kwargs = _with(point.mask, args, kwargs, bias.to(q.dtype).view(1, 1, 1, -1))
         return original(q, k, plan.pool(v, start, point.dim), *args, **kwargs)
+
+
+_POOLED: dict[Point, Pooled] = {}
+
+
+def pooled(point: Point) -> Pooled:
+    """The process's one pooling callable for ``point``."""
+    if point not in _POOLED:
+        _POOLED[point] = Pooled(point)
+    return _POOLED[point]
+
+
+def plan_for(call: dict, q: torch.Tensor, k: torch.Tensor, dim: int, options: Any
+             ) -> tuple[dit.DitPlan, int] | None:
+    """``(plan, image start)`` for one attention call of the current model call, or None: not
+    the call's whole sequence, a block the schedule leaves out at this step."""
+    state = call["state"]
+    if state is None:
+        return None
+    s, n = state.spans, q.shape[dim]
+    if n != k.shape[dim] or n != s.text + s.before + s.image + s.after:
+        return None
+    index = options.get("block_index") if isinstance(options, dict) else None
+    kind = options.get("block_type") if isinstance(options, dict) else None
+    if not isinstance(index, int):  # the host names no block: count them
+        kind, index = "double", call["block"]
+    call["block"] += 1
+    f = state.factor(kind, index)
+    if f <= 1:
+        return None
+    start = s.before + (s.text if s.text_first else 0)
+    return dit.DitPlan(s.h, s.w, f, call["rope"], state.proportional, s.frames), start
 
 
 class Swap:
@@ -138,18 +178,13 @@ class Swap:
         self.form, self.previous, self.model = form, previous, layout.root
         self.core = override.OverridePatch(config, layout, form.spans, percent_to_sigma,
                                            rotated=not form.rotates)
-        self.rope = self.core.applied.rope
         kernel = getattr(sys.modules.get(KERNEL[0]), KERNEL[1], None)
         self.masks = getattr(kernel, "__name__", "") in override.MASK_BACKENDS
         if self.core.applied.proportional and not self.masks:
             self.core.limits.append("proportional attention (the host's attention kernel "
                                     "takes no mask)")
         self.applied, self.limits = self.core.applied, self.core.limits
-        self.pooled = [Pooled(self, p) for p in form.points]
         self.skipped = self.core.skipped
-        self.state: override.CallState | None = None  # the current model call's, when pooled
-        self.block = 0       # calls pooled or counted as blocks in the current model call
-        self.fired = False   # one of our functions was reached in the current model call
         self.calls = self.reached = 0  # model calls run swapped / that reached our functions
         self.on_silent: Callable[[], Any] | None = None  # told once: swapped, never reached
 
@@ -159,7 +194,6 @@ class Swap:
     @property
     def report(self) -> PatchReport | None:
         return self.core.report
-
 
     def __call__(self, apply_model: Callable, params: dict) -> Any:
         run = partial(self.run, apply_model)
@@ -171,55 +205,36 @@ class Swap:
         """One model call with our functions in place of the points' globals, put back in
         ``finally`` whatever happens."""
         found = self.form.spans(self.model, x, c)
-        self.state = None if found is None else \
+        state = None if found is None else \
             self.core.begin(override.Spans(*found), t, x.device, x.shape[0])
-        self.block, self.fired = 0, False
-        if self.state is None:
+        if state is None:
             return apply_model(x, t, **c)
-        saved = []
+        before, saved = dict(_call), []
+        _call.update(state=state, rope=self.applied.rope, masks=self.masks, block=0,
+                     fired=False, skip=self.skip)
         try:
-            for pooled in self.pooled:
-                module = sys.modules.get(pooled.point.module)
-                current = getattr(module, pooled.point.name, None)
-                if current is None or current is pooled:  # not loaded, or a nested call
+            for point in self.form.points:
+                module, ours = sys.modules.get(point.module), pooled(point)
+                current = getattr(module, point.name, None)
+                if current is None or current is ours:  # not loaded, or a nested call
                     continue
-                pooled.original = current
-                saved.append((module, pooled.point.name, current))
-                setattr(module, pooled.point.name, pooled)
+                ours.original = current
+                saved.append((module, point.name, current))
+                setattr(module, point.name, ours)
             return apply_model(x, t, **c)
         finally:
             for module, name, original in reversed(saved):
                 setattr(module, name, original)
-            self.state = None
+            fired = _call["fired"]
+            _call.update(before)
             self.calls += 1
-            self.reached += self.fired
+            self.reached += fired
             if not self.reached and self.calls == 1 and self.on_silent is not None:
                 self.on_silent()
 
-    def plan_for(self, q: torch.Tensor, k: torch.Tensor, dim: int, options: Any
-                 ) -> tuple[dit.DitPlan, int] | None:
-        """``(plan, image start)`` for one attention call of the current model call, or None:
-        not the call's whole sequence, a block the schedule leaves out at this step."""
-        state = self.state
-        if state is None:
-            return None
-        s, n = state.spans, q.shape[dim]
-        if n != k.shape[dim] or n != s.text + s.before + s.image + s.after:
-            return None
-        index = options.get("block_index") if isinstance(options, dict) else None
-        kind = options.get("block_type") if isinstance(options, dict) else None
-        if not isinstance(index, int):  # the host names no block: count them
-            kind, index = "double", self.block
-        self.block += 1
-        f = state.factor(kind, index)
-        if f <= 1:
-            return None
-        start = s.before + (s.text if s.text_first else 0)
-        return dit.DitPlan(s.h, s.w, f, self.rope, state.proportional, s.frames), start
-
     def skip(self, why: str) -> None:
-        if not any(w == why for _, w in self.skipped):
-            self.skipped.append((("attention", self.block - 1), why))
+        if not merge.compiling() and not any(w == why for _, w in self.skipped):
+            self.skipped.append((("attention", _call["block"] - 1), why))
 
 
 def wrapper_of(unet_patcher: Any) -> Callable | None:
