@@ -275,7 +275,9 @@ def test_reuse_on_a_patched_dit_changes_only_the_steps_between_refreshes():
 # ----------------------------------------------------------------------------- presets per kind
 
 def test_presets_resolve_per_model_kind():
-    from tome.config import DIT_FIELDS, DIT_PRESETS, UNET_PRESETS, resolved
+    from tome.config import DIT_FIELDS, DIT_PRESETS, UNET_PRESETS
+    from tome.dits import Dit
+    from tome.layout import UNET
     # UNet fields: exactly what the presets were before DiT points joined them
     assert UNET_PRESETS == {
         "quality": {"method": "downsample", "downsample_factor": 2, "policy": "auto"},
@@ -290,10 +292,12 @@ def test_presets_resolve_per_model_kind():
         assert set(DIT_PRESETS[name]) <= set(DIT_FIELDS)
         assert {k: getattr(cfg, k) for k in DIT_PRESETS[name]} == DIT_PRESETS[name]
     q = preset("quality")
-    assert resolved(q, "UNet") == "downsample x2"
-    assert resolved(q, "DiT").startswith(dit.schedule_of(q).describe())
-    assert "residual reuse every" in resolved(q, "DiT")
-    assert resolved(preset("balanced"), "DiT") == "merge: no DiT form, not pooled"
+    flux, sd3 = Dit(2, True, 512, 1000.0, True), Dit(2, False, 333, 1.0, False)
+    assert UNET.describe(q) is None  # a UNet's settings describe themselves
+    assert flux.describe(q).startswith(dit.schedule_of(q).describe())
+    assert "residual reuse every" in flux.describe(q) and flux.describe(q).endswith("rope pooled")
+    assert "rope" not in sd3.describe(q)  # no rotary positions: the option does not apply
+    assert flux.describe(preset("balanced")) == "merge: no DiT form, not pooled"
 
 
 def test_a_unet_patched_with_a_preset_is_unchanged_by_the_dit_fields():

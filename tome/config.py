@@ -333,26 +333,6 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
     return ToMeConfig(**{**PRESETS[key], **changes})
 
 
-def resolved(config: ToMeConfig, kind: str, rope: bool = True) -> str:
-    """What ``config`` does on a model of ``kind`` ("DiT" or "UNet", as ``PatchReport.kind``):
-    one line for the infotext and the ComfyUI node, e.g. ``downsample x2`` on a UNet and
-    ``x8 in all blocks; residual reuse every 5 steps; proportional attention; rope pooled``
-    on a DiT (pass the config the patch report holds: a host path may have resolved it;
-    ``rope``: whether the DiT has rotary positions, as ``PatchReport.rope``)."""
-    m = methods.get(config.method)
-    if str(kind).lower() != "dit":
-        window = f", steps {config.start:g}-{config.end:g}" \
-            if (config.start, config.end) != (0, 1) else ""
-        return m.describe(config) + window
-    if config.method != "downsample":
-        return f"{config.method}: no DiT form, not pooled"
-    parts = [dit.schedule_of(config).describe()]
-    if config.reuse:
-        parts.append(f"residual reuse every {config.reuse} steps")
-    parts.append("proportional attention" if config.proportional else "plain pooling")
-    return "; ".join(parts) + (f"; rope {config.rope}" if rope else "")
-
-
 def without_reuse(config: ToMeConfig) -> ToMeConfig:
     """``config`` for a host path that cannot reuse residuals: a preset's DiT point becomes
     that preset's point without reuse (``DIT_NO_REUSE``); any other config keeps its schedule

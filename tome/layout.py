@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from . import dits, methods
+from .config import DIT_FIELDS
 from .dits import Dit
 
 BLOCK_CLASS = "BasicTransformerBlock"
@@ -83,6 +84,15 @@ class Unet:
     the config's method, merging levels up to ``max_downsample``, one timed block per level."""
 
     kind = "UNet"  # what the report and the console call the model
+    ignores = DIT_FIELDS  # config fields a UNet does not read
+
+    def noun(self, flag: str) -> str:
+        """What the console calls the model: the host's flag for it (``SDXL``)."""
+        return flag
+
+    def describe(self, config: Any) -> None:
+        """None: a UNet's settings are their own description (a DiT's resolve per preset)."""
+        return None
 
     def method(self, config: Any) -> methods.Method:
         return methods.get(config.method)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import adapters, override, patcher, policy
-from ..config import ToMeConfig, resolved
+from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from . import host, inputs, measure_node
 
@@ -157,9 +157,11 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
     say(report.summary())
-    if report.kind == "DiT":  # what the settings resolved to here, and what this form lacks
+    # a DiT's: what the settings resolved to here (a UNet's patch has no ``applied``)
+    text = report.facts.describe(getattr(mark, "applied", None))
+    if text:
         limits = mark.limits
-        say(f"ToMe DiT: {resolved(mark.applied, report.kind, report.rope)}"
+        say(f"ToMe DiT: {text}"
             + (f" (this ComfyUI form cannot apply: {', '.join(limits)})" if limits else ""))
     return clone
 

@@ -28,6 +28,26 @@ class Dit:
     rope: bool              # rotary positions inside attention (Flux) or none (SD3)
 
     kind = "DiT"  # what the report and the console call the model (not a field)
+    ignores = ()  # config fields this kind of model does not read (a UNet: the DiT fields)
+    # A host's model flags that name a DiT themselves (SD.Next flags every pipeline SD1).
+    named_flags = ("SD3",)
+
+    def noun(self, flag: str) -> str:
+        """What the console calls the model, given the host's flag for it: ``SD3 DiT``,
+        else ``DiT`` (a host's UNet flag on a DiT pipeline is wrong)."""
+        return f"{flag} DiT" if flag in self.named_flags else "DiT"
+
+    def describe(self, config: Any) -> str:
+        """What ``config`` does here, for the infotext and the console:
+        ``x8 in all blocks; residual reuse every 5 steps; proportional attention; rope
+        pooled`` (pass the config the patch report holds: a host path may have resolved it)."""
+        if config.method != "downsample":
+            return f"{config.method}: no DiT form, not pooled"
+        parts = [dit.schedule_of(config).describe()]
+        if config.reuse:
+            parts.append(f"residual reuse every {config.reuse} steps")
+        parts.append("proportional attention" if config.proportional else "plain pooling")
+        return "; ".join(parts) + (f"; rope {config.rope}" if self.rope else "")
 
     def method(self, config: Any) -> Any:
         """The method ``config`` runs here: its DiT form (None: it has none)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import adapters, policy, survey
 from ..config import ToMeConfig
-from ..layout import UnsupportedModelError, denoiser, find_unet, read
+from ..layout import UNET, UnsupportedModelError, denoiser, find_unet, read
 from ..measurements import Measurer
 from ..patcher import MARK
 from ..report import PatchReport
@@ -53,15 +53,15 @@ def sdnext() -> bool:
         return False
 
 
-def denoiser_kind(model: Any) -> str:
-    """"DiT" or "UNet": what the current model's denoiser is (the Forge family's through its
-    UNet patcher); "UNet" where it cannot be read."""
+def denoiser_facts(model: Any) -> Any:
+    """What the current model's denoiser is to the library (``Layout.facts``; the Forge
+    family's through its UNet patcher); a UNet's where it cannot be read."""
     target = getattr(getattr(model, "forge_objects", None), "unet", None)
     target = getattr(target, "model", None) if target is not None else model
     try:
-        return read(target).kind
+        return read(target).facts
     except UnsupportedModelError:
-        return "UNet"
+        return UNET
 
 
 def denoisers(p: Any) -> list[Any]:

@@ -40,38 +40,39 @@ _LIBRARY = ToMeConfig()
 
 
 def build(s: S.ScriptSettings, passes: Mapping[str, ToMeConfig | None],
-          kind: str = "UNet") -> dict[str, Any]:
+          ignores: tuple[str, ...] = DIT_FIELDS) -> dict[str, Any]:
     """The infotext entries of a generation with settings ``s`` and per-pass configs
-    ``passes`` on a model of ``kind`` ("UNet" or "DiT": a UNet image lists no DiT field, and a
-    DiT image always lists ``proportional``, which images from before it existed lack);
-    empty when ToMe changes nothing in any pass."""
+    ``passes`` on a model that ``ignores`` these config fields (its ``Layout.facts.ignores``:
+    a UNet image lists no DiT field, and a DiT image always lists ``proportional``, which
+    images from before it existed lack); empty when ToMe changes nothing in any pass."""
     if not any(cfg is not None for cfg in passes.values()):
         return {}
     cfg = passes.get("img2img") or s.config  # img2img's config carries its own ratio
     out: dict[str, Any] = {}
     if s.preset is not None:
         out[PRESET] = s.preset
-    for name, value in relevant(cfg, kind).items():
+    for name, value in relevant(cfg, ignores).items():
         if name in ("ratio", "proportional") or value != getattr(_LIBRARY, name):
             out[CONFIG_KEYS[name]] = value
     if passes.get("hires") is not None:
         if s.hires_only:
             out[HIRES_ONLY] = True
-        if s.hr_ratio and s.hr_ratio != cfg.ratio and "ratio" in relevant(cfg, kind):
+        if s.hr_ratio and s.hr_ratio != cfg.ratio and "ratio" in relevant(cfg, ignores):
             out[HR_RATIO] = s.hr_ratio
     return out
 
 
-def relevant(cfg: ToMeConfig, kind: str = "UNet") -> dict[str, Any]:
-    """The config fields that can change the image under the chosen method on a model of
-    ``kind`` (a UNet reads no DiT field)."""
-    skip = methods.get(cfg.method).ignores + (DIT_FIELDS if kind != "DiT" else ())
+def relevant(cfg: ToMeConfig, ignores: tuple[str, ...] = DIT_FIELDS) -> dict[str, Any]:
+    """The config fields that can change the image under the chosen method on a model that
+    ``ignores`` these (a UNet reads no DiT field)."""
+    skip = methods.get(cfg.method).ignores + tuple(ignores)
     return {name: getattr(cfg, name) for name in S.CONFIG_KEYS if name not in skip}
 
 
-def kind_of(params: Mapping[str, Any]) -> str:
-    """The model kind an infotext was written for: a DiT image lists a DiT field."""
-    return "DiT" if any(CONFIG_KEYS[n] in params for n in DIT_FIELDS) else "UNet"
+def ignored_by(params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The config fields the model an infotext was written for ignores: none where it lists
+    a DiT field (a DiT image), else the DiT fields (a UNet image)."""
+    return () if any(CONFIG_KEYS[n] in params for n in DIT_FIELDS) else DIT_FIELDS
 
 
 def has_tome(params: Mapping[str, Any]) -> bool:
@@ -135,7 +136,7 @@ def reader(name: str, default: Any) -> Callable[[Mapping[str, Any]], Any]:
         if not has_tome(params):
             return None
         raw = params.get(key)
-        if raw is None and name == "proportional" and kind_of(params) == "DiT":
+        if raw is None and name == "proportional" and name not in ignored_by(params):
             return False  # a DiT image always lists it: this one predates it (pooled plainly)
         if raw is None:
             return _plain_default(name, default)
@@ -164,8 +165,8 @@ def _read_preset(params: Mapping[str, Any]) -> str | None:
             return S.CUSTOM
         pasted = ToMeConfig.from_dict({name: params[k] for name, k in CONFIG_KEYS.items()
                                        if k in params})
-        kind = kind_of(params)
-        return S.preset_label(key) if relevant(pasted, kind) == relevant(preset(key), kind) \
+        ignores = ignored_by(params)
+        return S.preset_label(key) if relevant(pasted, ignores) == relevant(preset(key), ignores) \
             else S.CUSTOM
     except ValueError:
         return S.CUSTOM

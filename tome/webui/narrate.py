@@ -47,8 +47,7 @@ def head(kind: str, report: PatchReport) -> str:
     Forge family's patcher."""
     if report.adapter == ATTN1_PATCH:
         return "Forge UNet (attn1 patch),"
-    if report.kind == "DiT":  # SD.Next flags every pipeline SD1: only SD3's flag names a DiT
-        kind = "SD3 DiT" if kind == "SD3" else "DiT"
+    kind = report.facts.noun(kind) if report.facts is not None else kind
     return f"{kind + ' ' if kind else ''}({report.family})"
 
 

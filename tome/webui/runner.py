@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import adapters, is_patched, methods, policy, remove_patch
-from ..config import ToMeConfig, resolved
+from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
 from . import host, infotext, narrate
@@ -94,7 +94,7 @@ def process(p: Any, args: Sequence[Any], *, img2img: bool) -> None:
     if not img2img and gen.settings.hires_only and not gen.hires:
         narrate.hires_only_without_hires()
     p.extra_generation_params.update(infotext.build(gen.settings, gen.passes,
-                                                    host.denoiser_kind(host.current_model(p))))
+                                                    host.denoiser_facts(host.current_model(p)).ignores))
 
 
 def before_sampling(p: Any, x: Any = None) -> None:
@@ -281,8 +281,9 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
                       report.coverage(), report.skipped, cfg.seed if seeded else None)
     for note in report.notes():
         gen.voice.say(note)
-    if report.kind == "DiT":  # what the settings resolved to on it (a preset's DiT point)
-        gen.voice.dit_resolved(p, name, resolved(report.config, report.kind, report.rope))
+    text = report.facts.describe(report.config)  # a DiT's: what a preset resolved to on it
+    if text:
+        gen.voice.dit_resolved(p, name, text)
         mark = host.forge_patch(model)
         if getattr(mark, "limits", None):
             gen.voice.say(f"ToMe DiT: not applied on this host: {', '.join(mark.limits)}")
