@@ -161,7 +161,24 @@ def plan_for(call: dict, q: torch.Tensor, k: torch.Tensor, dim: int, options: An
     if f <= 1:
         return None
     start = s.before + (s.text if s.text_first else 0)
-    return dit.DitPlan(s.h, s.w, f, call["rope"], state.proportional, s.frames), start
+    return _plan(s, f, call["rope"], state.proportional), start
+
+
+_PLANS: dict[tuple, dit.DitPlan] = {}
+
+
+def _plan(s: override.Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
+    """The plan for a grid and factor, kept across calls in eager mode, so a call's blocks
+    share its pooled positions and bias (built once per call); built in the graph while
+    compiling (a dict read would add guards)."""
+    if merge.compiling():
+        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    key = (s.frames, s.h, s.w, f, rope, proportional)
+    if key not in _PLANS:
+        if len(_PLANS) > 32:
+            _PLANS.clear()
+        _PLANS[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    return _PLANS[key]
 
 
 class Swap:
