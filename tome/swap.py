@@ -164,19 +164,18 @@ def plan_for(call: dict, q: torch.Tensor, k: torch.Tensor, dim: int, options: An
     return _plan(s, f, call["rope"], state.proportional), start
 
 
-_PLANS: dict[tuple, dit.DitPlan] = {}
+_PLANS: dict[tuple, dit.DitPlan] = {}  # the current model call's (``Swap.run`` clears it)
 
 
 def _plan(s: override.Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
-    """The plan for a grid and factor, kept across calls in eager mode, so a call's blocks
-    share its pooled positions and bias (built once per call); built in the graph while
-    compiling (a dict read would add guards)."""
+    """The plan for the call's grid at factor ``f``, shared by the call's blocks in eager mode
+    (its pooled positions and bias are built once per call; a plan never outlives its call,
+    whose embedding it caches by identity); built in the graph while compiling (a dict read
+    would add guards)."""
     if merge.compiling():
         return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
     key = (s.frames, s.h, s.w, f, rope, proportional)
     if key not in _PLANS:
-        if len(_PLANS) > 32:
-            _PLANS.clear()
         _PLANS[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
     return _PLANS[key]
 
@@ -227,6 +226,7 @@ class Swap:
         if state is None:
             return apply_model(x, t, **c)
         before, saved = dict(_call), []
+        _PLANS.clear()
         _call.update(state=state, rope=self.applied.rope, masks=self.masks, block=0,
                      fired=False, skip=self.skip)
         try:
@@ -244,6 +244,7 @@ class Swap:
                 setattr(module, name, original)
             fired = _call["fired"]
             _call.update(before)
+            _PLANS.clear()
             self.calls += 1
             self.reached += fired
             if not self.reached and self.calls == 1 and self.on_silent is not None:
