@@ -266,6 +266,20 @@ class OverridePatch:
     def __deepcopy__(self, memo: dict) -> OverridePatch:
         return self
 
+    def report_as(self, adapter: str) -> PatchReport:
+        """The report of this patch made through ``adapter`` (this one, or Forge Neo's swap,
+        which shares its state), its ``nothing`` set where the settings pool no block."""
+        layout, p = self.layout, self.layout.dit.patch
+        report = PatchReport.of(layout, self.applied, adapter, max_downsample=p,
+                                levels={p: len(self.chosen)} if self.chosen and
+                                self.planner.method else {})
+        if report.unmergeable is None and not self.chosen:
+            report.unmergeable = (f"ToMe: blocks={self.applied.blocks!r} names no block of this "
+                                  f"DiT (it has {len(layout.blocks)}, double-stream first)")
+        report.skipped, report.planner = self.skipped, self.planner
+        self.report = report
+        return report
+
     def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int) -> CallState | None:
         """This call's state, or None where it pools nothing (outside the step window, the
         policy, no block pooled at this step). Reads the sigma on the host once, only where a
@@ -337,18 +351,10 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     this form); settings that pool nothing: the patcher itself, with the report's
     ``nothing``."""
     ours = OverridePatch(config, layout, spans_of, percent_to_sigma)
-    p = layout.dit.patch
-    report = PatchReport.of(layout, ours.applied, ADAPTER, max_downsample=p,
-                            levels={p: len(ours.chosen)} if ours.chosen and
-                            dit.method_for(config) else {})
-    if report.unmergeable is None and not ours.chosen:
-        report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
-                              f"has {len(layout.blocks)}, double-stream first)")
+    report = ours.report_as(ADAPTER)
     if report.nothing:
         return unet_patcher, report
     clone = unet_patcher.clone()
-    report.skipped, report.planner = ours.skipped, ours.planner
-    ours.report = report
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ours.wrapper)
     setattr(clone, patcher.MARK, ours)
     return clone, report

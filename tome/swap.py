@@ -268,17 +268,10 @@ def patch(unet_patcher: Any, layout: Any, form: Form, config: ToMeConfig
     sampling = patcher.model_sampling(unet_patcher)
     swap = Swap(config, layout, form, getattr(sampling, "percent_to_sigma", None),
                 wrapper_of(unet_patcher))
-    chosen, p = len(swap.core.chosen), layout.dit.patch
-    report = PatchReport.of(layout, swap.applied, SWAP, max_downsample=p,
-                            levels={p: chosen} if chosen and swap.core.planner.method else {})
-    if report.unmergeable is None and not chosen:
-        report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
-                              f"has {len(layout.blocks)}, double-stream first)")
+    report = swap.core.report_as(SWAP)
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()
     unet.set_model_unet_function_wrapper(swap)
-    report.skipped, report.planner = swap.skipped, swap.core.planner
-    swap.core.report = report
     setattr(unet, patcher.MARK, swap)
     return unet, report
