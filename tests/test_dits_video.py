@@ -427,3 +427,27 @@ def test_wan_pooling_adds_few_ops_and_no_host_sync(wan):
     assert not {"_local_scalar_dense", "item", "nonzero"} & set(pooled.ops)
     assert not [o for o in pooled.ops if "scatter" in o or "index_put" in o]
     assert len(pooled.ops) - len(base.ops) <= 24, (len(pooled.ops), len(base.ops))
+
+
+def test_wan_schedule_gives_each_block_its_factor(wan, monkeypatch):
+    """The DiT schedule applies per block as on Flux: block 0 x2, block 1 x4 (cross-attention
+    untouched)."""
+    tome.apply_patch(wan, method="downsample", schedule="0:2,1:4")
+    try:
+        keys = _Keys(monkeypatch)
+        run(wan, wan_inputs())
+        assert keys.lengths == [F_ * (H // 2) * (W // 2), 7, F_ * (H // 4) * (W // 4), 7]
+    finally:
+        tome.remove_patch(wan)
+
+
+def test_qwen_pooled_attention_compiles_in_one_graph(qwen):
+    """Qwen-Image's pooled attention (complex RoPE, pooled positions, the bias) compiles with
+    fullgraph=True and gives the eager answer."""
+    from stubs import compiles_like_eager
+    attn = qwen.transformer_blocks[0].attn
+    emb = qwen.pos_embed([(1, H, W)], max_txt_seq_len=T, device=torch.device("cpu"))
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+        dit.DitPlan(H, W, 2, "pooled", True), T))
+    compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, image_rotary_emb=emb),
+                        torch.randn(2, H * W, 32), torch.randn(2, T, 32))
