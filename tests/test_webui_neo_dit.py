@@ -55,8 +55,9 @@ def test_flux_is_pooled_reproducible_and_restored_after_the_generation(capsys):
         "model_function_wrapper"), swap.Swap)
 
 
-def test_flux_keys_are_pooled_per_cell_with_the_text_whole():
-    webui = WebUI(neo.NeoModel("flux"))
+@pytest.mark.parametrize("kind", ["flux", "chroma"])
+def test_flux_keys_are_pooled_per_cell_with_the_text_whole(kind):
+    webui = WebUI(neo.NeoModel(kind))
     latent(webui, dit(), cfg_scale=1)
     text, image = neo.TEXT_TOKENS, 8 * 8  # a 128 px image: 16x16 latent, 2x2 patches
     assert set(kernel.calls) == {(text + image, text + 16)}

@@ -20,7 +20,7 @@ from backend import attention as kernel
 from backend.args import dynamic_args
 from backend.modules.k_model import KModel
 from backend.modules.k_prediction import PredictionDiscreteFlow, PredictionFlux
-from backend.nn import flux, lumina, qwen, svdq, wan
+from backend.nn import chroma, flux, lumina, qwen, svdq, wan
 from backend.patcher.unet import UnetPatcher
 from backend.sampling.sampling_function import calc_batch
 
@@ -34,6 +34,8 @@ FRAMES = 3  # Wan's latent frames (a 9-frame video)
 def _diffusion_model(kind: str):
     if kind == "flux":
         return flux.IntegratedFluxTransformer2DModel(), PredictionFlux(1.15)
+    if kind == "chroma":
+        return chroma.IntegratedChromaTransformer2DModel(), PredictionFlux(1.15)
     if kind == "wan":
         return wan.WanModel(), PredictionDiscreteFlow(shift=5.0)
     if kind == "qwen":
