@@ -43,8 +43,9 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
 
     frames, h, w = tokens(x, (pt, ph, pw))
     ref = conds.get("reference_latent")
-    before = math.prod(tokens(ref, (ph, pw))) \
-        if isinstance(ref, torch.Tensor) and getattr(model, "ref_conv", None) is not None else 0
+    before = (int(ref.shape[-2]) // ph) * (int(ref.shape[-1]) // pw) \
+        if isinstance(ref, torch.Tensor) and getattr(model, "ref_conv", None) is not None \
+        else 0  # ref_conv: a strided convolution of the unpadded reference (sides rounded down)
     if isinstance(conds.get("denoise_mask"), torch.Tensor) and frames > 1:
         before, frames = before + h * w, frames - 1  # Wan 2.2 TI2V: the image's frame
     extra = conds.get("time_dim_concat")
