@@ -296,3 +296,21 @@ def test_attn1_replaced_after_patching_runs_unmerged(inputs):
         out = unet(*inputs)
     tome.remove_patch(unet)
     assert seen == [32 * 32] and torch.isfinite(out).all()
+
+
+def test_a_sigma_window_keeps_a_step_on_its_edge():
+    """Flux's shifted schedule at 4 steps puts a step exactly on the 0.5 edge; the host hands
+    it as float32 while its percent_to_sigma answers in float64 (the real ComfyUI printed
+    "merged in 1 of 4 steps" for start 0.5)."""
+    import math
+
+    from tome.plan import Window
+
+    def flux_sigma(t: float, shift: float = 1.15) -> float:  # ComfyUI's flux_time_shift
+        return math.exp(shift) / (math.exp(shift) + (1 / t - 1)) if t > 0 else 0.0
+
+    sigmas = torch.tensor([flux_sigma(1 - i / 4) for i in range(4)] + [0.0])  # float32
+    assert float(sigmas[2]) > flux_sigma(0.5)  # the rounding that dropped it
+    assert Window.sigmas(0.5, 1.0, lambda p: flux_sigma(1 - p)).count(sigmas) == (2, 4)
+    assert Window.sigmas(0.0, 0.5, lambda p: flux_sigma(1 - p)).count(sigmas) == (3, 4)
+    assert Window.sigmas(0.0, 0.25, lambda p: flux_sigma(1 - p)).count(sigmas) == (2, 4)

@@ -38,6 +38,9 @@ from .config import ToMeConfig
 NUM_TRAIN_TIMESTEPS = 1000
 
 
+EDGE = 1e-5  # relative slack on a sigma window's edges (float32 against float64)
+
+
 class Window:
     """Which steps of a sampling pass merge (``config.start``/``end``), in the host's units.
 
@@ -56,7 +59,11 @@ class Window:
     @classmethod
     def sigmas(cls, start: float, end: float, percent_to_sigma: Callable[[float], Any]
                ) -> Window:
-        return cls(start, end, (float(percent_to_sigma(end)), float(percent_to_sigma(start))))
+        """Both edges are kept: a step on an edge merges. The host hands float32 sigmas while
+        its conversion may answer in float64 (a Flux step on the 0.5 edge read 0.75951093 >
+        0.75951092), so the bounds are widened by a relative 1e-5, far below any step."""
+        lo, hi = float(percent_to_sigma(end)), float(percent_to_sigma(start))
+        return cls(start, end, (lo * (1 - EDGE), hi * (1 + EDGE)))
 
     @property
     def full(self) -> bool:
