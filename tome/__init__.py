@@ -1,6 +1,7 @@
 """Token Merging for Stable Diffusion: a drop-in for ``tomesd`` that is exact, reproducible and
-works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets, and pools image keys/values in diffusers
-Flux and SD3 transformers (DiTs).
+works on SD1/SD2 (ldm), SDXL (sgm) and diffusers UNets, and pools image keys/values in the
+transformers (DiTs) of the registered families (``tome.dits``: diffusers Flux, SD3,
+Qwen-Image, Wan, HunyuanVideo).
 
     import tome
     tome.apply_patch(pipe, ratio=0.5)        # or an ldm/sgm model, or a bare UNet
@@ -36,7 +37,7 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     """Patch ``model`` in place with Token Merging and return it (as ``tomesd.apply_patch``).
 
     ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``,
-    or ``.transformer`` for Flux and SD3), or a bare ldm or diffusers UNet or DiT. On a DiT
+    or ``.transformer`` for a DiT), or a bare ldm or diffusers UNet or DiT. On a DiT
     only ``method="downsample"`` applies: the image tokens' keys and values are pooled by
     ``downsample_factor`` in the blocks ``blocks`` names ("all", "double", "a-b"), with
     ``rope`` ("pooled" or "before") saying how rotary positions meet pooled keys

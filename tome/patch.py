@@ -14,8 +14,7 @@ apply it through the method (``methods.py``: which sub-layers, what they receive
 their output is restored). Which blocks merge, how destinations are drawn and when matching
 runs are decided in ``plan.py``, shared with the ModelPatcher adapter (``patcher.py``); the
 UNet's structure is read in ``layout.py``. Both adapters answer with ``report.PatchReport``.
-DiTs (diffusers Flux and SD3) have no such blocks: ``adapters.py`` hands them to
-``processors.py``.
+DiTs have no such blocks: ``adapters.py`` hands them to ``processors.py``.
 """
 
 from __future__ import annotations
