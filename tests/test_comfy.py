@@ -608,13 +608,77 @@ def test_a_compiled_model_recompiles_at_most_once_per_resolution(lines, order):
     torch.testing.assert_close(one_call(model, 1.0), one_call(base, 1.0))
 
 
-def test_measure_node_on_a_dit_says_why_each_row_is_not_measured(user_dir, lines):
-    """It used to answer ``AttributeError: 'DoubleBlock' object has no attribute 'x_block'``
-    for both methods."""
+def test_measure_node_on_a_dit_gives_rows(user_dir, lines):
+    """Flux is timed through the override's runner (it used to say "not measured" for every
+    size); merge, which has no DiT form, says so in its rows."""
+    host.measuring_service().clock = fake_clock(1.5)
     text, image = nodes.ToMeMeasure().measure(dit_model(), "512, 1024")["result"]
-    rows = [line for line in text.splitlines() if "skipped: not measured: this host's DiT" in line]
-    assert len(rows) == 2 * 2 and "Error" not in text
+    assert "downsample  512x512    ds2    1024" in text and "1.50x     merge" in text
+    assert "downsample  1024x1024  ds2    4096" in text and "Error" not in text
+    assert text.count("merge  ") == 2 and "merge has no DiT form (comfy flux)" in text
     assert image.shape[0] == 1 and image.shape[-1] == 3
+
+
+AUTO = {"method": "downsample", "policy": "auto"}
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen"])
+def test_auto_times_a_comfy_dit_once_per_size_and_decides_by_it(user_dir, lines, family,
+                                                                monkeypatch):
+    """The first call at a size times a block unpooled and through the override (the fake
+    clock says 1.5x), the console names the measured speed-up, later calls and sizes already
+    measured time nothing; the pooled latents are those of the fixed policy."""
+    calls = []
+    host.measuring_service().clock = fake_clock(1.5, calls)
+    (ours,) = nodes.ToMePatch().patch(dit_model(family), **defaults(**AUTO))
+    out = sample(ours, family)
+    assert calls and calls.count("unmerged") == calls.count("merged")
+    measured = [x for x in lines if x.startswith("ToMe: measured 192x128 px, batch 1, ")]
+    assert len(measured) == 1 and "ds2 1.50x merged" in measured[0]
+    assert [x for x in lines if x.startswith("ToMe auto:")] == [
+        "ToMe auto: 192x128 px: ds2 measured 1.50x on " + measured[0].split(" on ")[1]
+        .split(" (")[0] + ", merged"]
+    calls.clear()
+    assert torch.equal(sample(ours, family), out) and not calls
+    (fixed,) = nodes.ToMePatch().patch(dit_model(family), **defaults(**FIXED))
+    assert torch.equal(sample(fixed, family), out)
+
+
+def test_auto_measured_slower_leaves_a_comfy_dit_unpooled(user_dir, lines):
+    host.measuring_service().clock = fake_clock(0.9)
+    base = dit_model()
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**AUTO))
+    assert torch.equal(sample(ours), sample(base))
+    assert any("ds2 measured 0.90x on " in x and x.endswith("not merged") for x in lines)
+
+
+def test_auto_skips_a_grid_that_may_not_fit_with_one_line(user_dir, lines, monkeypatch):
+    """The memory check comes first: nothing is timed, one line says why, and the DiT form's
+    own CPU threshold (1024 tokens, not the UNet method's 4096) decides."""
+    from tome import memory
+    calls = []
+    host.measuring_service().clock = fake_clock(1.5, calls)
+    monkeypatch.setattr(memory, "available", lambda device: 1 << 20)
+    (ours,) = nodes.ToMePatch().patch(dit_model(), **defaults(**AUTO))
+    sample(ours)
+    assert not calls
+    skipped = [x for x in lines if x.startswith("ToMe: not measured at 192x128 px, batch 1: "
+                                                  "timing the unmerged block needs about ")]
+    assert len(skipped) == 1 and skipped[0].endswith("; the token thresholds decide")
+    assert "ToMe auto: 192x128 px: ds2 96 tokens, below the CPU threshold (1024), not merged" \
+        in lines
+
+
+def test_auto_on_a_wan_video_says_it_is_not_timed_and_uses_the_dit_threshold(user_dir, lines):
+    calls = []
+    host.measuring_service().clock = fake_clock(1.5, calls)
+    (ours,) = nodes.ToMePatch().patch(dit_model("wan"), **defaults(**AUTO))
+    sample(ours, "wan")
+    assert not calls
+    assert "ToMe: not measured at 192x128 px, 9 frames: video grids are not timed yet; the " \
+        "token thresholds decide" in lines
+    assert "ToMe auto: 192x128 px, 9 frames: ds2 288 tokens, below the CPU threshold (1024), " \
+        "not merged" in lines
 
 
 def test_comfy_qwen_image_and_wan_are_read_as_dits():

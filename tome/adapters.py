@@ -37,11 +37,16 @@ MODULES, MODEL_PATCHER = "modules", "model patcher"
 
 def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
     """How a block of this model runs merged for measuring under ``contract``: the hooks' or
-    the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet;
-    None where the contract cannot time the model (a DiT behind a ModelPatcher: the auto
-    policy's token thresholds decide there)."""
+    the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet,
+    the per-call forms' (``override.runner``: ComfyUI's backend, or Forge Neo's kernel) for a
+    DiT behind a ModelPatcher; None where the contract cannot time the model (a DiT family
+    neither form knows: the auto policy's token thresholds decide there)."""
     if contract == MODEL_PATCHER:
-        return patcher.run_block if layout.dit is None else None
+        if layout.dit is None:
+            return patcher.run_block
+        if layout.family in NEO:
+            return override.runner(swap.KERNEL)
+        return override.runner() if layout.family in COMFY_SPANS else None
     return processors.runner(layout) if layout.dit is not None else patch.run_block
 
 
@@ -103,15 +108,29 @@ def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
     layout = read(getattr(unet_patcher, "model", None))
     if layout.dit is not None:
         if layout.family in NEO:
-            return swap.patch(unet_patcher, layout, NEO[layout.family], config)
+            done = swap.patch(unet_patcher, layout, NEO[layout.family], config)
+            return _measured(done, layout, measurer)
         spans = COMFY_SPANS.get(layout.family)
         if spans is not None and hasattr(unet_patcher, "add_wrapper_with_key"):
             sampling = patcher.model_sampling(unet_patcher)
-            return override.patch(unet_patcher, layout, config, spans,
+            done = override.patch(unet_patcher, layout, config, spans,
                                   getattr(sampling, "percent_to_sigma", None))
+            return _measured(done, layout, measurer)
         return patcher.patch_dit(unet_patcher, layout, config)
     return patcher.patch_unet(unet_patcher, layout, config, sampling_patcher, measurer,
                               runner(layout, MODEL_PATCHER))
+
+
+def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
+              ) -> tuple[Any, PatchReport]:
+    """A per-call DiT patch whose planner measures (``auto``) through ``runner``: once per
+    size, at its first call, with the settings as the form applies them."""
+    planner = done[1].planner
+    if measurer is not None and planner is not None and not done[1].nothing \
+            and planner.config.policy == "auto":
+        planner.measurer = measurer.for_model(layout.root, planner.config,
+                                              runner(layout, MODEL_PATCHER))
+    return done
 
 
 # ----------------------------------------------------------------------------- ComfyUI calls

@@ -235,7 +235,10 @@ def attention_backend(model: Any) -> str:
         blocks = [b.module for b in read(model).blocks]
     except UnsupportedModelError:
         return "none"
-    attn = attention(blocks[0])
+    try:
+        attn = attention(blocks[0])
+    except UnsupportedModelError:  # a host's DiT block (ComfyUI's Flux): named by its kernel
+        attn = blocks[0]
     processor = getattr(attn, "processor", None)
     # a wrapping processor (ours on DiTs) calls the one it wraps: name that one
     processor = getattr(processor, "original", processor)
@@ -279,10 +282,22 @@ def _check_memory(layout: Layout, latent: tuple[int, int], batch: int,
                   chosen: dict[int, nn.Module | None]) -> None:
     """Raise ``memory.NotEnoughMemoryError`` before anything runs if the largest timed run
     would not fit (``memory.py``: measuring must never take the host down)."""
-    runs = [(b, policy.level_tokens(latent, lv), channels(b)) for lv, b in chosen.items()
+    runs = [(b, policy.level_tokens(latent, lv), width(b)) for lv, b in chosen.items()
             if b is not None]
     if runs:
         memory.check(runs, batch, attention_backend(layout))
+
+
+def width(block: nn.Module) -> int:
+    """The block's token width (``layout.channels``), else the input width most of its linear
+    layers share (a host's DiT block without ``norm1`` or ``attn``: ComfyUI's Flux)."""
+    try:
+        return channels(block)
+    except (UnsupportedModelError, AttributeError):  # no norm1, attn, to_q or qkv
+        widths = [m.in_features for m in block.modules() if isinstance(m, nn.Linear)]
+        if not widths:
+            raise
+        return max(set(widths), key=widths.count)
 
 
 def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
@@ -366,7 +381,7 @@ def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Modul
     tick = clock or default_clock(device)
     tokens = policy.level_tokens(latent, level)
     g = torch.Generator().manual_seed(level)
-    x = torch.randn(batch, tokens, channels(block), generator=g).to(device, dtype)
+    x = torch.randn(batch, tokens, width(block), generator=g).to(device, dtype)
     ctx = None
     if context_dim(block) is not None:
         ctx = torch.randn(batch, CONTEXT_TOKENS, context_dim(block), generator=g).to(device, dtype)

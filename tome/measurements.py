@@ -24,7 +24,7 @@ import torch
 
 from . import memory, methods
 from .config import ToMeConfig
-from .layout import attention, channels, context_dim, denoiser, read
+from .layout import UnsupportedModelError, attention, context_dim, denoiser, read
 from .measure import (
     Clock,
     Measurement,
@@ -34,6 +34,7 @@ from .measure import (
     device_name,
     levels_to_measure,
     measure,
+    width,
 )
 from .policy import LevelSpeed, latent_grid, size_text
 
@@ -52,11 +53,20 @@ def fingerprint(model: Any) -> str:
     or single), never its weights: fine-tunes of one model share timings."""
     layout = read(model)
     unet = layout.root
-    blocks = [[b.level, b.decoder, channels(b.module), getattr(attention(b.module), "heads", None),
+    blocks = [[b.level, b.decoder, width(b.module), _heads(b.module),
                context_dim(b.module)] + ([b.kind] if b.kind != "unet" else [])
               for b in layout.blocks]
     arch = {"class": f"{type(unet).__module__}.{type(unet).__qualname__}", "blocks": blocks}
     return hashlib.sha1(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _heads(block: Any) -> Any:
+    """The block's attention heads where its attention module names them (None where a
+    host's DiT block has no ``attn``: ComfyUI's Flux)."""
+    try:
+        return getattr(attention(block), "heads", None)
+    except UnsupportedModelError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import merge
-from .layout import attention
+from .layout import UnsupportedModelError, attention
 
 ACTIVATION_COPIES = 16   # copies of the block input alive at once, at most (feed-forward: 4x2)
 SCORE_COPIES = 2         # the score matrix and its softmax
@@ -82,7 +82,10 @@ def block_bytes(block: nn.Module, tokens: int, batch: int, channels: int, full: 
     docstring), plus the matching chunk of a plan build."""
     p = next(block.parameters())
     elem = p.element_size()
-    heads = int(getattr(attention(block), "heads", 0) or max(1, channels // 64))
+    try:
+        heads = int(getattr(attention(block), "heads", 0) or max(1, channels // 64))
+    except UnsupportedModelError:  # a host's DiT block without ``attn`` (ComfyUI's Flux)
+        heads = max(1, channels // 64)
     need = batch * tokens * channels * elem * ACTIVATION_COPIES
     if full:
         score = max(elem, 4) * SCORE_COPIES * batch * heads * tokens

@@ -37,10 +37,12 @@ patch convention).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from . import attend, dit, merge, patcher, plan
 from .config import ToMeConfig, without_reuse
@@ -53,6 +55,8 @@ APPLY_MODEL, WRAPPER_KEY = "apply_model", "tome"  # ComfyUI's wrapper type; our 
 ADAPTER = "attention override"  # ``PatchReport.adapter``
 # ComfyUI's backends that add a float mask to the scores (broadcast over queries); Sage hands
 # it to a kernel that ignores it, flash attention refuses it, sage3 falls back with it.
+# Where ComfyUI keeps the attention backend it chose at start-up (what a DiT's blocks call).
+COMFY_KERNEL = ("comfy.ldm.modules.attention", "optimized_attention")
 MASK_BACKENDS = ("attention_basic", "attention_pytorch", "attention_split",
                  "attention_sub_quad", "attention_xformers")
 
@@ -214,6 +218,54 @@ def _channel(prev: Any, func: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
     if kwargs.get("skip_output_reshape"):  # [B, heads, S, D']
         return out[..., :d]
     return out.unflatten(-1, (heads, -1))[..., :d].flatten(-2)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def runner(kernel: tuple[str, str] = COMFY_KERNEL) -> Callable:
+    """``measure``'s runner for a DiT whose attention is reached per call (this override,
+    Forge Neo's swap: ``kernel`` names the host's backend, torch's SDPA where it is not
+    loaded): a block's token-wise work (each of its linear layers on the image tokens) and
+    its self-attention over them, unpooled, or through a ``KvPool`` with the state of
+    ``plan``'s grid, as a pooled generation runs it. Errs low: per-sample layers
+    (modulation) are counted per token."""
+    pool = KvPool()
+
+    def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
+        func = getattr(sys.modules.get(kernel[0]), kernel[1], None) or _sdpa
+        for m in block.modules():
+            if isinstance(m, nn.Linear):
+                m(x if m.in_features == x.shape[-1] else x.new_zeros(*x.shape[:-1],
+                                                                    m.in_features))
+        heads = heads_of(block, x.shape[-1])
+        if p is None:
+            return func(x, x, x, heads)
+        spans = Spans(0, True, 0, p.frames, p.h, p.w)
+        before = activate(pool, CallState(spans, (p.factor,), 0, bool(p.proportional)), None)
+        try:
+            return pool(func, x, x, x, heads)
+        finally:
+            restore(before)
+    return run
+
+
+def heads_of(block: nn.Module, width: int) -> int:
+    """The block's attention heads (an attribute the hosts' blocks or their attention
+    modules carry), else heads of 128 channels (Flux, Qwen-Image, Wan)."""
+    for m in (block, *block.children()):
+        for name in ("heads", "num_heads", "n_heads"):
+            n = getattr(m, name, None)
+            if isinstance(n, int) and n > 0 and width % n == 0:
+                return n
+    return max(1, width // 128)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: Any = None,
+          **kwargs: Any) -> torch.Tensor:
+    """ComfyUI's backend form ``(q, k, v, heads, mask)`` on ``[B, S, heads * D]``."""
+    q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).flatten(2)
 
 
 # ----------------------------------------------------------------------------- the patch

@@ -265,10 +265,11 @@ class Planner:
     def decision(self, level: int, tokens: int, kind: str,
                  measured: policy.LevelSpeed | None = None) -> policy.Decision:
         if merge.compiling():  # a dict filled on the first call would recompile
-            return policy.decide_level(self.config, level, tokens, kind, measured)
+            return policy.decide_level(self.config, level, tokens, kind, measured, self.method)
         key = (level, tokens, kind, measured)
         if key not in self.decisions:
-            self.decisions[key] = policy.decide_level(self.config, level, tokens, kind, measured)
+            self.decisions[key] = policy.decide_level(self.config, level, tokens, kind, measured,
+                                                      self.method)
         return self.decisions[key]
 
     def plan(self, call: Call, x: torch.Tensor, decoder: bool = False) -> Any:

@@ -108,9 +108,11 @@ def size_text(latent: tuple[int, ...], scale: int = SCALE) -> str:
 
 
 def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
-                 measured: LevelSpeed | None = None) -> Decision:
+                 measured: LevelSpeed | None = None, method: object = None) -> Decision:
     """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``;
-    ``measured``: ``(speed-up, device name)`` of this level on this device, if measured."""
+    ``measured``: ``(speed-up, device name)`` of this level on this device, if measured;
+    ``method``: the form that runs (a DiT's ``dit.DitPool``, with its own thresholds), else
+    ``config.method``'s."""
     if config.policy == "fixed":
         return Decision(level, tokens, True, "fixed policy")
     if measured is not None:
@@ -118,7 +120,7 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
         merged = pays(speedup)
         return Decision(level, tokens, merged, f"measured {speedup:.2f}x on {device}, "
                         + ("merged" if merged else "not merged"))
-    thresholds = methods.get(config.method).thresholds
+    thresholds = getattr(method, "thresholds", None) or methods.get(config.method).thresholds
     threshold = thresholds.get(kind, thresholds.get(FALLBACK, 0))
     if tokens >= threshold:
         return Decision(level, tokens, True, f"{tokens} tokens, at or above the {kind.upper()} "
@@ -128,14 +130,15 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
 
 
 def decide(config: ToMeConfig, latent: tuple[int, ...], levels: list[int] | tuple[int, ...],
-           kind: str, measured: dict[int, LevelSpeed] | None = None) -> list[Decision]:
+           kind: str, measured: dict[int, LevelSpeed] | None = None,
+           method: object = None) -> list[Decision]:
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
 
     ``fixed`` merges every one of them; ``auto`` those measured at least ``MARGIN`` faster
     (``measured``: level -> (speed-up, device)), the others by the device kind's threshold.
     """
     measured = measured or {}
-    return [decide_level(config, lv, level_tokens(latent, lv), kind, measured.get(lv))
+    return [decide_level(config, lv, level_tokens(latent, lv), kind, measured.get(lv), method)
             for lv in sorted(levels)]
 
 
