@@ -276,3 +276,69 @@ def test_measuring_works_whatever_mode_measured_before(tmp_path, monkeypatch, fi
         tome.remove_patch(unet)
     assert [s.split(" in ")[0].split(",")[0] for s in said] == [
         "ToMe: measured 128x128 px", "ToMe: measured 192x192 px"]
+
+
+# ----------------------------------------------------------------------------- per-call DiTs
+
+def test_the_override_runner_times_the_host_kernel_unpooled_and_through_kvpool(monkeypatch):
+    """ComfyUI's and Forge Neo's DiT runner: the host's backend (by module and name) gets
+    the whole image's keys unpooled, and keys pooled per cell with the bias as its mask
+    through ``KvPool`` (as a generation runs it); every linear layer runs in both."""
+    import sys
+    import types
+
+    from tome import dit, override
+    seen = []
+
+    def attention_pytorch(q, k, v, heads, mask=None, **kw):
+        seen.append((k.shape[1], heads, mask is not None))
+        return override._sdpa(q, k, v, heads, mask)
+
+    host = types.ModuleType("fake_host_attention")
+    host.optimized_attention = attention_pytorch
+    monkeypatch.setitem(sys.modules, "fake_host_attention", host)
+    block = torch.nn.Module()
+    block.num_heads = 2
+    block.qkv, block.mlp = torch.nn.Linear(32, 96), torch.nn.Linear(128, 32)
+    ran = []
+    for m in (block.qkv, block.mlp):
+        m.register_forward_hook(lambda mod, args, out: ran.append(args[0].shape[-1]))
+    run = override.runner(("fake_host_attention", "optimized_attention"))
+    x = torch.randn(2, 8 * 12, 32)
+    cfg = ToMeConfig(method="downsample", downsample_factor=2)
+    planner = Planner(cfg, 2, method=dit.method_for(cfg))
+    plan = planner.plan(planner.begin((16, 24), x.device, 1.0), x)
+    assert isinstance(plan, dit.DitPlan) and (plan.h, plan.w) == (8, 12)
+    assert run(block, x, None, planner, None).shape == x.shape
+    assert run(block, x, None, planner, plan).shape == x.shape
+    assert seen == [(96, 2, False), (24, 2, True)] and ran == [32, 128] * 2
+    assert M.width(block) == 32 and override.heads_of(block, 32) == 2
+
+
+def test_auto_on_forge_neo_dits_measures_through_its_kernel(tmp_path, monkeypatch, capsys):
+    """Forge Neo's swap: Flux and Qwen-Image are timed once per size (fake clock) and the
+    auto line names the measured speed-up; Wan's video says it is not timed and the DiT
+    threshold decides."""
+    from stubs import fake_clock
+    from webui_stub.harness import WebUI, neo
+
+    from tome.webui import host
+    calls = []
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), rounds=2, warmup=1,
+                         clock=fake_clock(1.6, calls))
+    monkeypatch.setattr(host, "_services", [service])
+    auto = {"enabled": True, "method": "downsample", "downsample_factor": 2, "policy": "auto"}
+    for kind in ("flux", "qwen", "wan"):
+        webui, calls[:] = WebUI(neo.NeoModel(kind)), []
+        res = webui.generate(tome=auto, steps=4)
+        again = webui.generate(tome=auto, steps=4)
+        out = capsys.readouterr().out
+        if kind == "wan":
+            assert not calls and "ToMe: not measured at 128x128 px, 9 frames: video grids are " \
+                "not timed yet" in out
+            assert "ds2 192 tokens, below the CPU threshold (1024), not merged" in res.info
+            continue
+        assert out.count("ToMe: measured 128x128 px, batch 2, downsample, on ") == 1 and calls
+        assert "first pass 128x128 px: ds2 measured 1.60x on " in res.info
+        assert "ToMe merged: first pass ds2" in res.info and again.info == res.info
+        assert torch.equal(torch.stack(res.images), torch.stack(again.images))

@@ -125,6 +125,21 @@ def test_policy_decisions_per_device_kind(kind, tokens, merged):
     assert policy.decide_level(cfg.replace(policy="fixed"), 1, tokens, kind).merged
 
 
+def test_a_dit_block_is_decided_by_the_dit_forms_own_thresholds():
+    """DitPool's thresholds (CPU 1024 tokens), not the UNet method's (CPU 4096): what the
+    planner of every DiT adapter hands ``decide_level``."""
+    from tome import dit
+    cfg, form = ToMeConfig(method="downsample", policy="auto"), dit.method_for(
+        ToMeConfig(method="downsample"))
+    d = policy.decide_level(cfg, 2, 1024, "cpu", None, form)
+    assert d.merged and d.reason == "1024 tokens, at or above the CPU threshold (1024)"
+    assert not policy.decide_level(cfg, 2, 1024, "cpu").merged  # the UNet's 4096
+    assert policy.decide(cfg, (64, 64), [2], "cpu", method=form)[0].merged
+    p = plan.Planner(cfg, 2, None, [2], method=form)
+    assert p.decision(2, 1024, "cpu").merged and not p.decision(2, 1023, "cpu").merged
+    assert not p.decision(2, 4096, "cuda").merged  # CUDA: 16384
+
+
 def test_policy_summary_names_size_tokens_and_device():
     cfg = ToMeConfig(policy="auto")
     line = policy.summary(policy.decide(cfg, (64, 64), [1], "cuda"), (64, 64))
