@@ -669,14 +669,36 @@ def test_auto_skips_a_grid_that_may_not_fit_with_one_line(user_dir, lines, monke
         in lines
 
 
-def test_auto_on_a_wan_video_says_it_is_not_timed_and_uses_the_dit_threshold(user_dir, lines):
+def test_auto_times_a_wan_video_grid_once_and_keeps_it_in_the_cache(user_dir, lines):
+    """A video's grid (frames x rows x columns) is timed as the override pools it; a new
+    service (the next ComfyUI session) reads it from the cache file without timing."""
     calls = []
     host.measuring_service().clock = fake_clock(1.5, calls)
     (ours,) = nodes.ToMePatch().patch(dit_model("wan"), **defaults(**AUTO))
     sample(ours, "wan")
+    assert calls
+    assert sum(x.startswith("ToMe: measured 192x128 px, 9 frames, batch 1, ") for x in lines) == 1
+    assert any(x.startswith("ToMe auto: 192x128 px, 9 frames: ds2 measured 1.50x on ")
+               for x in lines)
+    host._services.clear()
+    host.measuring_service().clock = fake_clock(1.5, calls)
+    calls.clear()
+    (again,) = nodes.ToMePatch().patch(dit_model("wan"), **defaults(**AUTO))
+    sample(again, "wan")
+    assert not calls and sum(x.startswith("ToMe: measured") for x in lines) == 1
+
+
+def test_auto_skips_a_wan_video_that_may_not_fit_and_uses_the_dit_threshold(user_dir, lines,
+                                                                           monkeypatch):
+    from tome import memory
+    calls = []
+    host.measuring_service().clock = fake_clock(1.5, calls)
+    monkeypatch.setattr(memory, "available", lambda device: 1 << 20)
+    (ours,) = nodes.ToMePatch().patch(dit_model("wan"), **defaults(**AUTO))
+    sample(ours, "wan")
     assert not calls
-    assert "ToMe: not measured at 192x128 px, 9 frames: video grids are not timed yet; the " \
-        "token thresholds decide" in lines
+    assert any(x.startswith("ToMe: not measured at 192x128 px, 9 frames, batch 1: timing the "
+                            "unmerged block needs about ") for x in lines)
     assert "ToMe auto: 192x128 px, 9 frames: ds2 288 tokens, below the CPU threshold (1024), " \
         "not merged" in lines
 

@@ -75,7 +75,7 @@ class Measurement:
 
     device: str                # e.g. "NVIDIA H100 80GB HBM3", "AMD EPYC 7B13", "Apple MPS"
     dtype: str                 # "float16", "float32", ...
-    latent: tuple[int, int]    # (height, width) of the latent
+    latent: tuple[int, ...]    # (height, width) of the latent; a video's (frames, height, width)
     batch: int
     method: str
     rows: tuple[LevelTiming, ...]
@@ -92,8 +92,10 @@ class Measurement:
             rows = tuple(LevelTiming(int(r["level"]), int(r["tokens"]), int(r["blocks"]),
                                      int(r["plans"]), float(r["unmerged_ms"]),
                                      float(r["merged_ms"])) for r in d["rows"])
-            h, w = (int(v) for v in d["latent"])
-            m = cls(str(d["device"]), str(d["dtype"]), (h, w), int(d["batch"]),
+            size = tuple(int(v) for v in d["latent"])
+            if len(size) not in (2, 3):
+                raise ValueError(f"latent {size}")
+            m = cls(str(d["device"]), str(d["dtype"]), size, int(d["batch"]),
                     str(d["method"]), rows)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"ToMe: not a measurement: {e!r}") from None
@@ -278,7 +280,7 @@ def _plan_count(planner: _plan.Planner, call: Any, x: torch.Tensor, blocks: list
     return len({id(p): p for p in plans if p is not None})
 
 
-def _check_memory(layout: Layout, latent: tuple[int, int], batch: int,
+def _check_memory(layout: Layout, latent: tuple[int, ...], batch: int,
                   chosen: dict[int, nn.Module | None]) -> None:
     """Raise ``memory.NotEnoughMemoryError`` before anything runs if the largest timed run
     would not fit (``memory.py``: measuring must never take the host down)."""
@@ -306,7 +308,7 @@ def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
     return min(speedups) >= (1.0 + margin) ** 2 or max(speedups) < 1.0 / (1.0 + margin)
 
 
-def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig, *,
+def measure(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
             runner: Runner, rounds: int = 5, warmup: int = 1, clock: Clock | None = None,
             levels: Iterable[int] | None = None, min_rounds: int = 3) -> Measurement:
     """Time each mergeable level of ``model`` unmerged and merged with ``config``.
@@ -331,7 +333,7 @@ def measure(model: Any, latent: tuple[int, int], batch: int, config: ToMeConfig,
     layout = read(model)
     # Seed, window and use_rand do not change the cost: build as a random-destination call would.
     cfg = config.replace(policy="fixed", start=0.0, end=1.0, use_rand=True)
-    latent = (int(latent[0]), int(latent[1]))
+    latent = tuple(int(s) for s in latent)  # (height, width), a video's (frames, h, w)
     facts = layout.facts  # what a UNet or a DiT times (``Layout.timed``)
     method, groups = facts.method(cfg), layout.timed(cfg, levels)
     decoder = {b.module for b in layout.blocks if b.decoder}
@@ -356,7 +358,7 @@ def _summed(level: int, parts: list[LevelTiming]) -> LevelTiming:
                        sum(r.unmerged_ms for r in parts), sum(r.merged_ms for r in parts))
 
 
-def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[int, int],
+def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[int, ...],
             batch: int, method: str, rows: list[LevelTiming]) -> Measurement:
     p = next(iter(b for b in blocks if b is not None), layout.root)
     p = next(p.parameters())
@@ -365,7 +367,7 @@ def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[in
 
 
 def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Module], level: int,
-                latent: tuple[int, int], batch: int, cfg: ToMeConfig, runner: Runner,
+                latent: tuple[int, ...], batch: int, cfg: ToMeConfig, runner: Runner,
                 clock: Clock | None, rounds: int, warmup: int, min_rounds: int,
                 method: methods.Method | None = None) -> LevelTiming:
     """One level's row. Each round times the block unmerged, the plan build (a fresh call, as

@@ -142,7 +142,8 @@ def default_cache_path() -> Path:
 def _consistent(parts: dict[str, Any], m: Measurement) -> bool:
     """The measurement is of the setup its key names (a hand-edited file might not be)."""
     return (m.device == parts.get("device") and m.dtype == parts.get("dtype")
-            and list(m.latent) == parts.get("latent") and m.batch == parts.get("batch")
+            and list(m.latent[-2:]) == parts.get("latent") and m.batch == parts.get("batch")
+            and (len(m.latent) == 2 or m.latent[0] == parts.get("frames"))
             and m.method == parts.get("config", {}).get("method"))
 
 
@@ -264,13 +265,14 @@ class Measurer:
         UNet's blocks are not on ``device`` (the sampling device; --medvram/--lowvram keep them
         elsewhere until they run), a timed run would not fit in memory (``memory.py``; not
         remembered: memory may be free next time), measuring failed, or the latent is a
-        video's (``(frames, height, width)``: not timed yet)."""
+        video's (``(frames, height, width)``) and ``runner`` cannot time one (only the per-call
+        DiT forms' runner says ``video``)."""
         self.reason = None
         grid, size = latent_grid(latent), size_text(latent)
-        if grid[0] > 1:
+        if grid[0] > 1 and not getattr(runner, "video", False):
             return self._not(f"ToMe: not measured at {size}: video grids are not timed yet; "
                              "the token thresholds decide")
-        latent = grid[1:]  # an image: measured and kept as (height, width), as ever
+        latent = grid[1:] if grid[0] == 1 else grid  # an image: (height, width), as ever
         try:
             p = next(denoiser(model).parameters())
             quick = (id(model), p.device, p.dtype, latent, batch, config.replace(

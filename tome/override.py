@@ -227,8 +227,8 @@ def runner(kernel: tuple[str, str] = COMFY_KERNEL) -> Callable:
     Forge Neo's swap: ``kernel`` names the host's backend, torch's SDPA where it is not
     loaded): a block's token-wise work (each of its linear layers on the image tokens) and
     its self-attention over them, unpooled, or through a ``KvPool`` with the state of
-    ``plan``'s grid, as a pooled generation runs it. Errs low: per-sample layers
-    (modulation) are counted per token."""
+    ``plan``'s grid (a video's frames too), as a pooled generation runs it. Errs low:
+    per-sample layers (modulation) are counted per token."""
     pool = KvPool()
 
     def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
@@ -246,6 +246,7 @@ def runner(kernel: tuple[str, str] = COMFY_KERNEL) -> Callable:
             return pool(func, x, x, x, heads)
         finally:
             restore(before)
+    run.video = True  # a video's grid runs as the generation pools it (``Measurer.get``)
     return run
 
 
