@@ -6,7 +6,8 @@ level, one representative transformer block unmerged and merged on the user's ow
 scales the figures to the whole level (blocks at the level, plans built per call); ``decide``
 turns a row into a yes/no with a safety margin so noise cannot flip it. How a block runs
 merged is the host adapter's business (``runner``: ``patch.run_block`` for hooks,
-``patcher.run_block`` for the ModelPatcher contract), so this room imports neither adapter;
+``patcher.run_block`` for the ModelPatcher contract, ``override.runner`` for a DiT reached
+per call: ComfyUI's override, Forge Neo's swap), so this room imports no adapter;
 remembering results is ``measurements.py``'s.
 
 Measuring never changes the model: it runs under ``torch.no_grad``, draws its inputs from a
