@@ -177,3 +177,18 @@ def dispatch(original: Any):
         extra = {"scale": d ** -0.5} if scaled else {}
         return dispatch_attention_fn(q, k, v, **extra, **kw)[..., :d]
     return kernel
+
+
+def masked(original: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           keep: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' dispatcher with ``original``'s backend and a boolean key mask ``keep``
+    (broadcast to [B, heads, S, keys]; a text mask with the pooled keys all valid), the bias
+    added to it as ``-inf``/0 plus ``log(cell size)`` where there is one."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    m = keep
+    if bias is not None:
+        m = torch.zeros((), dtype=q.dtype, device=q.device).expand(m.shape).masked_fill(
+            ~m.to(torch.bool), float("-inf")) + bias.to(q.dtype).view(1, 1, 1, -1)
+    return dispatch_attention_fn(q, k, v, attn_mask=m, dropout_p=0.0, is_causal=False,
+                                 backend=getattr(original, "_attention_backend", None),
+                                 parallel_config=getattr(original, "_parallel_config", None))

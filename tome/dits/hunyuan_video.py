@@ -109,7 +109,6 @@ def _kernel(original: Any, mask: Any, n: int):
     without a mask ``attend.dispatch``."""
     if mask is None:
         return attend.dispatch(original)
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any) -> torch.Tensor:
         m = mask
@@ -117,13 +116,7 @@ def _kernel(original: Any, mask: Any, n: int):
             text = m[..., n:]
             m = torch.cat([text.new_ones(()).expand(*text.shape[:-1], k.shape[1] - text.shape[-1]),
                            text], -1)
-        if bias is not None:
-            m = torch.zeros((), dtype=q.dtype, device=q.device).expand(m.shape).masked_fill(
-                ~m.to(torch.bool), float("-inf")) + bias.to(q.dtype).view(1, 1, 1, -1)
-        return dispatch_attention_fn(q, k, v, attn_mask=m, dropout_p=0.0, is_causal=False,
-                                     backend=getattr(original, "_attention_backend", None),
-                                     parallel_config=getattr(original, "_parallel_config",
-                                                             None))
+        return attend.masked(original, q, k, v, m, bias)
     return kernel
 
 

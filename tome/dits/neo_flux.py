@@ -55,15 +55,22 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
             model.single_blocks)
 
 
-def spans(model: nn.Module, x: torch.Tensor, c: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` of a model call, or None."""
-    text = text_of(c)
-    if x.dim() != 4 or text is None:
-        return None
-    p = int(model.patch_size)
-    h, w = tokens(x.shape, (p, p))
-    after = sum(math.prod(tokens(r.shape, (p, p))) for r in references(c))
-    return text, True, 0, 1, h, w, after
+def image_spans(dims: int):
+    """``spans`` of a Neo image DiT called with a ``dims``-D latent (Flux 4; Qwen-Image 5, a
+    frame axis of one): ``(text, text_first, before, frames, h, w, after)`` of a model call,
+    the references after the image, or None."""
+    def spans(model: nn.Module, x: torch.Tensor, c: dict) -> tuple | None:
+        text = text_of(c)
+        if x.dim() != dims or text is None:
+            return None
+        p = int(model.patch_size)
+        h, w = tokens(x.shape, (p, p))
+        after = sum(math.prod(tokens(r.shape, (p, p))) for r in references(c))
+        return text, True, 0, 1, h, w, after
+    return spans
+
+
+spans = image_spans(4)
 
 
 # (module, global, sequence axis, pre-RoPE embedding (position, keyword), mask (position,

@@ -7,29 +7,19 @@ image. Pooled by swapping that global per model call (``swap.py``)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
 from torch import nn
 
 from .family import Dit, Family
-from .neo_flux import neo, references, text_of, tokens
+from .neo_flux import image_spans, neo
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
     return Dit(int(model.patch_size), True, 512, 1000.0, False), model.transformer_blocks, ()
 
 
-def spans(model: nn.Module, x: torch.Tensor, c: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` of a model call, or None."""
-    text = text_of(c)
-    if x.dim() != 5 or text is None:
-        return None
-    p = int(model.patch_size)
-    h, w = tokens(x.shape, (p, p))
-    after = sum(math.prod(tokens(r.shape, (p, p))) for r in references(c))
-    return text, True, 0, 1, h, w, after
+spans = image_spans(5)  # Neo's Qwen-Image takes [B, C, 1, H, W]
 
 
 POINTS = (("backend.nn.qwen", "attention_function", 1, None, (1, "mask")),)

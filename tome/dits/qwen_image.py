@@ -121,19 +121,12 @@ def _kernel(original: Any, mask: Any):
     pooled keys all valid), the bias added where there is one."""
     if mask is None:
         return attend.dispatch(original)
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any) -> torch.Tensor:
         m = mask.to(torch.bool)
         m = torch.cat([m, m.new_ones(()).expand(m.shape[0], k.shape[1] - m.shape[1])], 1)
         m = m[:, None, None, :]
-        if bias is not None:
-            m = torch.zeros((), dtype=q.dtype, device=q.device).expand(m.shape).masked_fill(
-                ~m, float("-inf")) + bias.to(q.dtype).view(1, 1, 1, -1)
-        return dispatch_attention_fn(q, k, v, attn_mask=m, dropout_p=0.0, is_causal=False,
-                                     backend=getattr(original, "_attention_backend", None),
-                                     parallel_config=getattr(original, "_parallel_config",
-                                                             None))
+        return attend.masked(original, q, k, v, m, bias)
     return kernel
 
 
