@@ -19,6 +19,16 @@ def wake(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def randomised(model: nn.Module, scale: float = 0.05) -> nn.Module:
+    """Every weight of a model built from config drawn anew (seeded; ``scale`` times a
+    normal), in eval mode: diffusers DiTs zero-initialise parts of themselves."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
 class Wrapper(nn.Module):
     """What the WebUI hands over: a model with ``.model.diffusion_model``."""
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from models import randomised
 from stubs import compiles_like_eager, fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,11 +24,7 @@ H, W, T = 8, 12, 5   # image token grid and text length of the tiny calls
 
 
 def _randomise(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+    return randomised(model)
 
 
 @pytest.fixture(scope="module")

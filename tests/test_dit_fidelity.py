@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from models import randomised
 from stubs import compiles_like_eager
 
 import tome
@@ -86,11 +87,7 @@ def test_bias_as_mask_and_as_channel_equal_repeated_keys(f):
 # ----------------------------------------------------------------------------- diffusers
 
 def _randomise(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval().double()
+    return randomised(model, 0.3).double()
 
 
 def _repeating(attn, names, start, f, dim=1):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from models import randomised
 from stubs import fake_clock
 
 import tome
@@ -19,11 +20,7 @@ F_, H, W, T = 3, 8, 12, 5   # latent frames, token grid per frame, text length
 
 
 def _randomise(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+    return randomised(model)
 
 
 @pytest.fixture(scope="module")
