@@ -448,3 +448,33 @@ def test_qwen_pooled_attention_compiles_in_one_graph(qwen):
         dit.DitPlan(H, W, 2, "pooled", True), T))
     compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, image_rotary_emb=emb),
                         torch.randn(2, H * W, 32), torch.randn(2, T, 32))
+
+
+def test_a_pipelines_second_transformer_gets_the_same_patch():
+    """Wan 2.2 A14B pipelines hold a low-noise expert in ``transformer_2`` that runs the later
+    steps: patched and removed with the first; a failure on it leaves neither patched."""
+    import types
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return randomised(diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64))
+
+    pipe = types.SimpleNamespace(transformer=build(0), transformer_2=build(1))
+    inputs = wan_inputs()
+    refs = [run(t, inputs) for t in (pipe.transformer, pipe.transformer_2)]
+    tome.apply_patch(pipe, method="downsample")
+    try:
+        assert tome.is_patched(pipe.transformer) and tome.is_patched(pipe.transformer_2)
+        assert not torch.equal(run(pipe.transformer_2, inputs), refs[1])
+    finally:
+        tome.remove_patch(pipe)
+    assert not tome.is_patched(pipe.transformer) and not tome.is_patched(pipe.transformer_2)
+    assert [torch.equal(run(t, inputs), r) for t, r in
+            zip((pipe.transformer, pipe.transformer_2), refs)] == [True, True]
+    pipe.transformer_2 = torch.nn.Linear(2, 2)  # not a model ToMe reads
+    with pytest.raises(tome.UnsupportedModelError):
+        tome.apply_patch(pipe, method="downsample")
+    assert not tome.is_patched(pipe.transformer)

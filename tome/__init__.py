@@ -37,7 +37,8 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     """Patch ``model`` in place with Token Merging and return it (as ``tomesd.apply_patch``).
 
     ``model``: an ldm/sgm model (``.model.diffusion_model``), a diffusers pipeline (``.unet``,
-    or ``.transformer`` for a DiT), or a bare ldm or diffusers UNet or DiT. On a DiT
+    or ``.transformer`` for a DiT, and ``.transformer_2`` where a pipeline has a second one),
+    or a bare ldm or diffusers UNet or DiT. On a DiT
     only ``method="downsample"`` applies: the image tokens' keys and values are pooled by
     ``downsample_factor`` in the blocks ``blocks`` names ("all", "double", "a-b"), with
     ``rope`` ("pooled" or "before") saying how rotary positions meet pooled keys

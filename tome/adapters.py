@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
 from . import override, patch, patcher, processors, swap
 from .config import ToMeConfig
 from .dits import (
@@ -52,14 +54,30 @@ def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
 
 def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     """Patch a model held as plain modules (anything ``layout.read`` reads) in place: hooks on
-    a UNet, processors on a DiT; any earlier patch of ours is removed first. Atomic."""
+    a UNet, processors on a DiT; any earlier patch of ours is removed first. A pipeline's
+    second transformer (``transformer_2``: Wan 2.2 A14B's low-noise expert, which runs the
+    later steps) gets the same patch. Atomic: on any error nothing stays patched."""
     layout = read(model)
+    second = _second(model)
     remove(layout.root)
     if layout.dit is not None:
         report = processors.apply(model, layout, config, measurer)
-        report.rope = layout.dit.rope
-        return report
-    return patch.apply(model, config, measurer, layout)
+    else:
+        report = patch.apply(model, config, measurer, layout)
+    if second is not None:
+        try:
+            apply(second, config, measurer)
+        except BaseException:
+            remove(layout.root)
+            raise
+    return report
+
+
+def _second(model: Any) -> nn.Module | None:
+    """A diffusers pipeline's second transformer, or None."""
+    second = getattr(model, "transformer_2", None)
+    return second if isinstance(second, nn.Module) and not isinstance(model, nn.Module) \
+        else None
 
 
 def remove(model: Any, during_call: bool = False) -> Any:
@@ -70,6 +88,8 @@ def remove(model: Any, during_call: bool = False) -> Any:
     setting per pass at a call). torch holds that call's hooks and calls a keyword hook
     removed meanwhile without its keywords, so the patch's call hook (registered first) stays,
     inert, until ``flush`` after the generation."""
+    if (second := _second(model)) is not None:
+        remove(second, during_call)
     root = patch.patched_root(model)
     state = vars(root).get(STATE_ATTR)
     if during_call and getattr(state, "handles", None):
