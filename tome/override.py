@@ -162,7 +162,7 @@ class KvPool:
         if mask is not None:
             self._skip(options, "an attention mask (pooling would misalign it)")
             return None
-        p = self._plan(state, f)
+        p = cached_plan(self._plans, state.spans, f, "before", state.proportional)
         kp, vp = p.pool(k, start, dim), p.pool(v, start, dim)
         bias = p.bias(start, n, k.device)
         if bias is None:
@@ -174,25 +174,26 @@ class KvPool:
             return _call(prev, func, (q, kp, vp, *args[3:]), {**kwargs, "mask": m})
         return _channel(prev, func, q, kp, vp, bias, dim, args, kwargs)
 
-    def _plan(self, state: CallState, f: int) -> dit.DitPlan:
-        """The call's plan at factor ``f``; kept across calls in eager mode (its bias is built
-        once), built in the graph while compiling (a dict read would add guards)."""
-        s = state.spans
-        if merge.compiling():
-            return dit.DitPlan(s.h, s.w, f, "before", state.proportional, s.frames)
-        key = (s.frames, s.h, s.w, f, state.proportional)
-        if key not in self._plans:
-            if len(self._plans) > 32:
-                self._plans.clear()
-            self._plans[key] = dit.DitPlan(s.h, s.w, f, "before", state.proportional, s.frames)
-        return self._plans[key]
-
     def _skip(self, options: dict, why: str) -> None:
         if merge.compiling():
             return
         block = (options.get("block_type"), options.get("block_index"))
         if not any(b == block for b, _ in self.skipped):
             self.skipped.append((block, why))
+
+
+def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
+    """The plan of a call's grid at factor ``f``, kept in ``cache`` in eager mode (its pooled
+    positions and bias are built once; at most 32 kept), built in the graph while compiling
+    (a dict read would add guards)."""
+    if merge.compiling():
+        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    key = (s.frames, s.h, s.w, f, rope, proportional)
+    if key not in cache:
+        if len(cache) > 32:
+            cache.clear()
+        cache[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    return cache[key]
 
 
 def _call(prev: Any, func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -161,23 +161,12 @@ def plan_for(call: dict, q: torch.Tensor, k: torch.Tensor, dim: int, options: An
     if f <= 1:
         return None
     start = s.before + (s.text if s.text_first else 0)
-    return _plan(s, f, call["rope"], state.proportional), start
+    return override.cached_plan(_PLANS, s, f, call["rope"], state.proportional), start
 
 
-_PLANS: dict[tuple, dit.DitPlan] = {}  # the current model call's (``Swap.run`` clears it)
-
-
-def _plan(s: override.Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
-    """The plan for the call's grid at factor ``f``, shared by the call's blocks in eager mode
-    (its pooled positions and bias are built once per call; a plan never outlives its call,
-    whose embedding it caches by identity); built in the graph while compiling (a dict read
-    would add guards)."""
-    if merge.compiling():
-        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    key = (s.frames, s.h, s.w, f, rope, proportional)
-    if key not in _PLANS:
-        _PLANS[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    return _PLANS[key]
+# The current model call's plans (``Swap.run`` clears it: a plan caches the call's embedding
+# by identity, so it never outlives its call).
+_PLANS: dict[tuple, dit.DitPlan] = {}
 
 
 class Swap:
