@@ -17,7 +17,8 @@ maths (``tome/dits/``) call these; none of them is here.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -59,56 +60,149 @@ def count_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return wide(q, one), wide(k, kb), wide(v, None)
 
 
+@dataclass(frozen=True)
+class Keep:
+    """What residual reuse keeps per pooled block, call identity and factor: the memory
+    budget's knobs (``tome.memory``), each a step that keeps the most quality per byte."""
+
+    slope: bool = True                # the extrapolation slope too (a 2nd tensor); False: none
+    dtype: torch.dtype | None = None  # None: the attention output's; e.g. float16 halves float32
+    image_only: bool = False          # only the image span's rows (text rows get no residual)
+    blocks: int | None = None         # only the first ``blocks`` pooled blocks (by index); 0: none
+
+    def words(self) -> str:
+        """``residual + slope``, ``, image rows``, ``, float16``, ``, first 4 blocks``."""
+        if self.blocks == 0:
+            return "nothing"
+        parts = ["residual + slope" if self.slope else "residual"]
+        if self.image_only:
+            parts.append("image rows")
+        if self.dtype is not None:
+            parts.append(str(self.dtype).replace("torch.", ""))
+        if self.blocks is not None:
+            parts.append(f"first {self.blocks} pooled blocks")
+        return ", ".join(parts)
+
+
 class Reuse:
-    """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): on every
-    Nth step of a generation a pooled block's attention also runs unpooled and keeps
-    ``r = full - pooled``; the steps between add ``r`` to the pooled output, extrapolated
-    linearly from the last two refreshes once there are two (``r + (r - r_prev) * steps /
-    N``; measured 1.5 dB closer than the plain residual at the same speed,
-    docs/quality.md#dit). Steps are told apart by the call's progress (a host calling cond and
-    uncond apart gets its own residuals per call of a step); progress going back starts a new
-    generation. Memory: two attention outputs per pooled block and call of a step (up to 4
-    calls), kept until the next generation or the patch's removal. Host-side
-    state per step: not applied inside a ``torch.compile`` graph (the block pools there)."""
+    """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): a pooled
+    block's attention also runs unpooled on a refresh and keeps ``r = full - pooled``; the
+    calls between add ``r`` to the pooled output, extrapolated linearly from the last two
+    refreshes once there are two (``r + slope * d``, ``d`` = steps since the refresh, at most
+    N; measured 1.5 dB closer than the plain residual at the same speed, docs/quality.md#dit).
 
-    def __init__(self, every: int, extrapolate: bool = True):
-        self.every, self.extrapolate, self.kept = every, extrapolate, {}
-        self.step, self.sub, self.last = 0, 0, None
+    Kept per block, factor and *call identity*: the host's own (cond/uncond) where it gives
+    one, else the batch rows and the call's place among the calls of its noise level with
+    the same rows (so a batch that drops its uncond on some steps, or Heun's extra calls,
+    find their own residuals). An identity refreshes when it has nothing kept or its last
+    refresh is N steps old (a step the host skipped is caught up). Tied to one generation
+    and grid: ``reset`` at the host's run start (the adapters call it), and on a new grid or
+    progress going back. ``keep`` (``Keep``) says what is kept; the adapters free it all at
+    a generation's end, on errors and on removal. Memory: ``held_bytes``."""
 
-    def begin(self, p: float) -> None:
-        if not self.every:
+    def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
+        self.every, self.keep, self.extrapolate = every, keep, extrapolate
+        self.order: tuple[int, ...] = ()  # pooled blocks' indices (``Keep.blocks`` counts here)
+        self.reset()
+
+    # ---------------------------------------------------------------- host side, per call
+
+    def reset(self) -> None:
+        """Drop everything kept and start counting steps again (a host's run start, a
+        generation's end, an error, removal)."""
+        self.kept: dict[tuple, tuple] = {}
+        self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
+        self.seen: dict[tuple, int] = {}    # (rows, host identity) -> calls at this noise level
+        self.step, self.last, self.grid = -1, None, None
+        self.who: tuple | None = None       # this call's identity; None: no reuse in this call
+        self.refresh = False
+
+    def set_keep(self, keep: Keep) -> None:
+        """Keep ``keep`` from now on; drops what is kept."""
+        self.keep = keep
+        self.reset()
+
+    def held_bytes(self) -> int:
+        """Bytes kept now (the residuals and slopes)."""
+        return sum(t.nbytes for kept in self.kept.values() for t in kept[:2] if t is not None)
+
+    def begin(self, p: float, rows: int, grid: tuple[int, ...], who: Any = None) -> None:
+        """One model call at sampling progress ``p`` (0 at the first step) with ``rows`` batch
+        rows on latent ``grid`` (frames, h, w); ``who``: the host's identity of the call
+        (e.g. ComfyUI's cond_or_uncond), where it gives one."""
+        self.who = None
+        if not self.every or self.keep.blocks == 0:
             return
-        if p == self.last and self.sub < 3:
-            self.sub += 1
-        else:  # a new step; or a 5th call at one noise level: a new generation (bounded memory)
-            if self.last is None or p <= self.last:
-                self.step, self.kept = -1, {}
-            self.step, self.sub, self.last = self.step + 1, 0, p
+        if grid != self.grid or (self.last is not None and p < self.last):
+            self.reset()  # another image, or progress went back: another generation
+            self.grid = grid
+        if p != self.last:
+            self.step, self.last, self.seen = self.step + 1, p, {}
+        ident = (rows, who)
+        n = self.seen[ident] = self.seen.get(ident, -1) + 1
+        self.who = (rows, who, n)
+        at = self.at.get(self.who)
+        self.refresh = at is None or self.step - at >= self.every
+        if self.refresh:
+            self.at[self.who] = self.step
 
-    def apply(self, key: tuple, out: torch.Tensor, full: Any) -> torch.Tensor:
-        """The output of a pooled block: ``out`` plus its kept residual, or (refresh steps, or
-        nothing kept yet) ``full()``, keeping ``full - out``."""
-        key = key + (self.sub,)
+    # ---------------------------------------------------------------- in the block
+
+    def keeps(self, index: int) -> bool:
+        n = self.keep.blocks
+        return n is None or index in (self.order[:n] if self.order else range(n))
+
+    def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
+               span: tuple[int, int] | None = None) -> torch.Tensor:
+        """The one guard of every family's maths: a pooled attention output ``out`` (the
+        sequence on ``dim``; ``span``: the image rows, start and stop) plus its kept residual,
+        or on a refresh (or with nothing kept for ``key``) ``full()``, keeping ``full - out``
+        per ``keep``. ``key``: (block index, part, factor). Outside a call with reuse: ``out``."""
+        if self.who is None or not self.keeps(key[0]) or merge.compiling():
+            return out
+        key = key + (self.who,)
         kept = self.kept.get(key)
-        if kept is not None and kept[0].shape != out.shape:
-            kept = None
-        if kept is not None and self.step % self.every:
+        image = span if self.keep.image_only and span is not None else None
+        if kept is not None and not self.refresh:
             r, slope, at = kept
-            return out + r if slope is None else out + r + slope * float(self.step - at)
+            add = r.to(out.dtype)
+            if slope is not None:
+                add = add + slope.to(out.dtype) * float(min(self.step - at, self.every))
+            if image is None:
+                return out + add
+            a, b = image
+            return torch.cat([out.narrow(dim, 0, a), out.narrow(dim, a, b - a) + add,
+                              out.narrow(dim, b, out.shape[dim] - b)], dim)
         f = full()
         r = f - out
+        if image is not None:
+            r = r.narrow(dim, image[0], image[1] - image[0])
         slope = None
-        if kept is not None and self.extrapolate and self.step > kept[2]:
-            slope = (r - kept[0]) / float(self.step - kept[2])
-        self.kept[key] = (r, slope, self.step)
+        if kept is not None and self.extrapolate and self.keep.slope and self.step > kept[2]:
+            slope = (r - kept[0].to(r.dtype)) / float(self.step - kept[2])
+        dt = self.keep.dtype
+        self.kept[key] = (r if dt is None else r.to(dt),
+                          slope if slope is None or dt is None else slope.to(dt), self.step)
         return f
+
+
+class Source(Protocol):
+    """What a pooled call's maths read from their patch (``PoolingProcessor.source``,
+    the shadows' ``source``): the processors' per-call state, or a measured run's fixed plan."""
+
+    text: int            # text tokens in this call (where the image span starts in single blocks)
+    p: float | None      # this call's sampling progress, where read
+    reuse: Reuse         # residual reuse (``Reuse(0)``: none)
+
+    def plan_for(self, index: int, kind: str) -> dit.DitPlan | None: ...
 
 
 def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor, start: int, dim: int, emb: Any = None,
             rotate: Any = None, positions: Any = None) -> torch.Tensor:
     """Attention with the image keys/values pooled (``kernel(q, k, v, bias)``), the
-    proportional bias where the plan has it, and the residual reuse where the patch has it.
+    proportional bias where the plan has it, and the residual reuse where the patch has it
+    (``wrapper.source.reuse``, keyed by ``wrapper``'s block).
     Queries are rotated by ``emb``; keys get their positions per ``plan.rope``
     (``DitPlan.keys``); ``positions(emb)``: the pooled embedding (default: diffusers'
     ``(cos, sin)`` of ``[S, D]``, pooled on the plan's grid)."""
@@ -117,17 +211,16 @@ def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
         q = rotate(q, emb)
         kp = plan.keys(k, start, dim, emb, rotate,
                        positions or (lambda e: plan.cos_sin(e, start)))
-        # the full keys, rotated, only where reuse runs the unpooled attention
-        k = None if wrapper is None or not wrapper.source.reuse.every else rotate(k, emb)
     else:
         kp = plan.pool(k, start, dim)
     out = kernel(q, kp, plan.pool(v, start, dim), plan.bias(start, n, q.device))
-    if wrapper is None or not wrapper.source.reuse.every or wrapper.source.p is None \
-            or merge.compiling():
+    if wrapper is None:
         return out
-    reuse = wrapper.source.reuse
-    return reuse.apply((wrapper.index, id(wrapper), plan.factor), out,
-                       lambda: kernel(q, k, v, None))
+    # the full keys (rotated) only where a refresh runs the unpooled attention
+    return wrapper.source.reuse.around(
+        (wrapper.index, id(wrapper), plan.factor), out,
+        lambda: kernel(q, k if emb is None else rotate(k, emb), v, None),
+        dim, (start, start + plan.tokens))
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None

@@ -98,7 +98,7 @@ class _Hooks:
                 # The one host read of a call (as the planner's window), only where needed.
                 tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
                 st.p = 1.0 - tv / _plan.NUM_TRAIN_TIMESTEPS
-                st.reuse.begin(st.p)
+                st.reuse.begin(st.p, x.shape[0], tuple(size))
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plan = None
@@ -243,7 +243,8 @@ def _unwrap(wrapped: list[tuple[nn.Module, str, Any, Any]]) -> None:
 # ----------------------------------------------------------------------------- one block
 
 class _Fixed:
-    """A plan source for one measured run: ``plan`` for every block, no reuse."""
+    """A plan source (``attend.Source``) for one measured run: ``plan`` for every block, no
+    reuse."""
 
     def __init__(self, plan: Any, text: int):
         self.plan, self.text, self.p, self.reuse = plan, text, None, _attend.Reuse(0)
@@ -279,13 +280,16 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     root, d, family = layout.root, layout.dit, dits.of(layout)
     method = dit.method_for(config)
     report = PatchReport.of(layout, config, PROCESSORS, max_downsample=d.patch)
-    # A schedule may pool where the plain factor is 1: only a method without a DiT form
-    # pools nothing (factor 1 runs the pooled maths, bit for bit the library's).
+    # A schedule may pool where the plain factor is 1: only a method without a DiT form or
+    # settings that name no block pool nothing (factor 1 runs the pooled maths, bit for bit
+    # the library's). Then nothing is installed, as for settings that change nothing.
     report.unmergeable = layout.unmergeable(config)
+    if report.unmergeable:
+        return report
     targets: list[tuple[int, Block]] = []
     schedule = dit.schedule_of(config)
     for i, b in enumerate(layout.blocks):
-        if method is None or not schedule.factor(i, b.kind, len(layout.blocks), None):
+        if not schedule.factor(i, b.kind, len(layout.blocks), None):
             continue
         problem = block_problem(b.module, family)
         if problem:
@@ -293,15 +297,15 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
             continue
         targets.append((i, b))
         report.levels[d.patch] = report.levels.get(d.patch, 0) + 1
-    if method is not None and not targets and not report.skipped:
-        report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
-                              f"has {len(layout.blocks)}, double-stream first)")
+    if not targets:  # every named block skipped (``report.nothing`` says why)
+        return report
     measured = measurer.for_model(model, config, runner(layout)) if measurer is not None \
         else None
     lo, hi = schedule.window()  # the planner lets in the steps where any block pools
     report.planner = _plan.Planner(config.replace(start=lo, end=hi), d.patch, measured,
                                    sorted(report.levels), method=method)
     state = _State(config, report, layout)
+    state.reuse.order = tuple(i for i, _ in targets)
     hooks = state.hooks = _Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))
@@ -318,6 +322,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
 
 def _remove(state: _State) -> None:
     state.removed, state.plan = True, None  # a hook torch still holds for a call: inert
+    state.reuse.reset()                     # nothing kept past removal
     for h in state.handles:
         h.remove()
     state.handles.clear()

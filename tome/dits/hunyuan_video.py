@@ -16,7 +16,6 @@ from torch import nn
 
 from .. import attend
 from ..dit import DitPlan
-from ..merge import compiling
 from .family import Call, Family, arg
 from .wan import VideoDit, diffusers_class
 
@@ -89,11 +88,10 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     jk, jv = torch.cat([kp, ek], dim=1), torch.cat([plan.pool(v, start, 1), ev], dim=1)
     kernel = _kernel(wrapper.original, attention_mask, n)
     out = kernel(q, jk, jv, plan.bias(start, n + t, q.device))
-    src = wrapper.source
-    if src.reuse.every and src.p is not None and not compiling():
-        full = (q, torch.cat([rotate(kv, emb), ek], 1), torch.cat([v, ev], 1))
-        out = src.reuse.apply((wrapper.index, id(wrapper), plan.factor), out,
-                              lambda: kernel(*full, None))
+    out = wrapper.source.reuse.around(
+        (wrapper.index, id(wrapper), plan.factor), out,
+        lambda: kernel(q, torch.cat([rotate(kv, emb), ek], 1), torch.cat([v, ev], 1), None),
+        1, (start, n))
     out = out.flatten(2, 3).to(q.dtype)
     out, ctx = out[:, :-t], out[:, -t:]
     if getattr(attn, "to_out", None) is not None:

@@ -7,15 +7,35 @@ context=, y=)`` with t = sigma * 1000. It has no attention processors: both bloc
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import merge
 from ..attend import channel_width, count_channel
 from .family import Dit, Family, by_class, latent_call, text_and_time
+
+
+def recognise(module: nn.Module) -> bool:
+    """A1111's MMDiT by what the reader and the shadows use, not by its class name alone: a
+    patch embedding with a patch size, joint blocks whose context and image blocks' attention
+    has ``pre_attention``, and a forward without ``transformer_options``. Two ComfyUI models
+    share the name ``MMDiT`` and are not this: AuraFlow's (none of that structure) and SD3's
+    (the same reference code, but ComfyUI calls it with ``transformer_options`` and reaches its
+    attention only through its dispatcher, which this family's forms do not use)."""
+    blocks = getattr(module, "joint_blocks", None)
+    if not by_class("MMDiT")(module) or not isinstance(blocks, nn.ModuleList) or not blocks \
+            or getattr(getattr(module, "x_embedder", None), "patch_size", None) is None:
+        return False
+    if not all(hasattr(getattr(getattr(b, part, None), "attn", None), "pre_attention")
+               for b in blocks for part in ("context_block", "x_block")):
+        return False
+    try:
+        return "transformer_options" not in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: not the reference code
+        return False
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
@@ -71,10 +91,9 @@ class PostAttention:
         plan = self.source.plan_for(self.index, self.kind)
         if plan is not None and plan.biased:
             x = x.unflatten(-1, (self.heads, -1))[..., :self.shared["d"]].flatten(2)
-        src = self.source
-        if plan is not None and src.reuse.every and src.p is not None \
-                and not merge.compiling() and "image" in self.shared:
-            x = src.reuse.apply((self.index, id(self), plan.factor), x, self._full)
+        if plan is not None and "image" in self.shared:
+            x = self.source.reuse.around((self.index, id(self), plan.factor), x, self._full,
+                                         1, (0, x.shape[1]) if self.image else (0, 0))
         if self.image:  # the block's last call: nothing kept past it
             for key in ("text", "image", "full"):
                 self.shared.pop(key, None)
@@ -130,7 +149,7 @@ def image_attention(block: nn.Module) -> nn.Module | None:
     return getattr(getattr(block, "x_block", None), "attn", None)
 
 
-FAMILY = Family("a1111 sd3", by_class("MMDiT"), read,
+FAMILY = Family("a1111 sd3", recognise, read,
                 latent_call(("x", 0), ("context", 3), ("t", 1)),
                 attentions=lambda block: [block.x_block.attn], check=check, shadow=shadow,
                 inputs=inputs, attention=image_attention)

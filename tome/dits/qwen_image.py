@@ -15,7 +15,6 @@ from torch import nn
 
 from .. import attend
 from ..dit import DitPlan
-from ..merge import compiling
 from .family import Call, Dit, Family, arg, grid_of, text_and_time, text_length
 from .wan import diffusers_class
 
@@ -102,11 +101,10 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     n = t + k.shape[1]
     kernel = _kernel(wrapper.original, encoder_hidden_states_mask)
     out = kernel(jq, jk, jv, plan.bias(t, n, q.device))
-    src = wrapper.source
-    if src.reuse.every and src.p is not None and not compiling():
-        full = (jq, torch.cat([ek, rotate(k, img)], 1), torch.cat([ev, v], 1))
-        out = src.reuse.apply((wrapper.index, id(wrapper), plan.factor), out,
-                              lambda: kernel(*full, None))
+    out = wrapper.source.reuse.around(
+        (wrapper.index, id(wrapper), plan.factor), out,
+        lambda: kernel(jq, torch.cat([ek, rotate(k, img)], 1), torch.cat([ev, v], 1), None),
+        1, (t, t + plan.tokens))
     out = out.flatten(2, 3).to(jq.dtype)
     txt_out, img_out = out[:, :t], out[:, t:]
     img_out = attn.to_out[0](img_out.contiguous())
