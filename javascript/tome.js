@@ -24,7 +24,7 @@
         "blocks": "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks only) or a range of block indices such as 0-18 (double-stream blocks count first).",
         "proportional": "DiTs: each pooled image key counts for the tokens of its cell (log of the cell size added to its logit), so pooled images keep their share of attention against the unpooled text keys. Much closer images (docs/quality.md#dit); off: plain pooling.",
         "schedule": "DiTs: which blocks pool by which factor at which steps, e.g. 'inner:2@0.3-1' or 'all:2@0.3-1,inner:4@0.6-1' (blocks: all, double, single, first, last, inner or a-b; a later item wins where it applies). Empty: the downsample factor in the DiT blocks over start-end. The presets set it; UNets ignore it.",
-        "reuse": "DiTs: every N steps each pooled block also runs its attention unpooled and keeps the difference, added to the pooled output on the steps between (one attention output of memory per block). 0: off."
+        "reuse": "DiTs: every N steps each pooled block also runs its attention unpooled and keeps the difference, added to the pooled output on the steps between (extrapolated from the last two). It keeps the difference and its slope per pooled block and per call of a step (cond and uncond apart) until the generation ends; what it will keep is checked against free memory first, and where that is short it keeps less or turns off and says so. 0: off."
     };
 
     onUiLoaded(function () {

@@ -141,8 +141,11 @@ class ToMeConfig:
     reuse: int = field(default=0, metadata=_meta(
         "DiT residual reuse", "ToMe reuse",
         "DiTs: every N steps each pooled block also runs its attention unpooled and keeps the "
-        "difference, added to the pooled output on the steps between (one attention output "
-        "of memory per block). 0: off.", minimum=0, maximum=20, step=1))
+        "difference, added to the pooled output on the steps between (extrapolated from the "
+        "last two). It keeps the difference and its slope per pooled block and per call of a "
+        "step (cond and uncond apart) until the generation ends; what it will keep is checked "
+        "against free memory first, and where that is short it keeps less or turns off and "
+        "says so. 0: off.", minimum=0, maximum=20, step=1))
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:

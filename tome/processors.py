@@ -20,6 +20,7 @@ pools, the schedule which factor each block gets. Nothing here names a family.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -312,12 +313,72 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
         for i, b in targets:
             state.wrapped += _wrap(b.module, family, state, i, b.kind)
+        if config.reuse:
+            state.wrapped += _bracket(model)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)
         vars(root).pop(STATE_ATTR, None)
         raise
     return report
+
+
+class Bracket:
+    """A diffusers pipeline's ``progress_bar``, shadowed on the pipeline instance: every
+    pipeline opens it around its denoising loop (``with self.progress_bar(total=...)``), so
+    entering it is the generation's start and leaving it its end, also on an error or an
+    interrupt (``KeyboardInterrupt``, the pipeline's ``interrupt`` flag). Both drop what the
+    pipeline's patched transformers' residual reuse keeps (``Reuse.reset``). A bare
+    transformer has no such bracket: there a new grid or progress going back starts anew."""
+
+    def __init__(self, original: Any, pipe: Any):
+        self.original, self.pipe = original, weakref.ref(pipe)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Run(self.original(*args, **kwargs), self.reset)
+
+    def reset(self) -> None:
+        pipe = self.pipe()
+        for name in ("transformer", "transformer_2"):
+            state = vars(getattr(pipe, name, None) or nn.Module()).get(STATE_ATTR)
+            if isinstance(state, _State):
+                state.reuse.reset()
+
+
+class _Run:
+    """One opened progress bar: ``reset`` on entering and, whatever happened, on leaving."""
+
+    def __init__(self, bar: Any, reset: Any):
+        self._bar, self._reset = bar, reset
+
+    def __enter__(self) -> Any:
+        self._reset()
+        return self._bar.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._bar.__exit__(*exc)
+        finally:
+            self._reset()
+
+    def __iter__(self) -> Any:
+        return iter(self._bar)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+
+def _bracket(model: Any) -> list[tuple[Any, str, Any, Any]]:
+    """Shadow a diffusers pipeline's ``progress_bar`` with a ``Bracket`` (the first
+    transformer's patch carries it); nothing for a bare module."""
+    original = getattr(model, "progress_bar", None)
+    if isinstance(model, nn.Module) or not callable(original) \
+            or isinstance(original, Bracket):
+        return []
+    ours = Bracket(original, model)
+    before = vars(model).get("progress_bar")
+    model.progress_bar = ours
+    return [(model, "progress_bar", before, ours)]
 
 
 def _remove(state: _State) -> None:

@@ -119,8 +119,13 @@ class PatchReport:
         return window.describe()
 
     def summary(self) -> str:
+        """``ToMe: diffusers flux DiT, x8 in all blocks; residual reuse every 5 steps; 6/6
+        blocks pooled (...)``: what runs (on a DiT its schedule's factor per block and reuse,
+        ``Dit.runs``), then where."""
+        runs = getattr(self.facts, "runs", None)
+        what = runs(self.config) if runs is not None else None
         text = (f"ToMe: {self.family} {self.kind}, "
-                f"{methods.get(self.config.method).describe(self.config)}"
+                f"{what or methods.get(self.config.method).describe(self.config)}"
                 f"; {self.coverage()}")
         if self.skipped:
             text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"

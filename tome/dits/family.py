@@ -49,6 +49,18 @@ class Dit:
         parts.append("proportional attention" if config.proportional else "plain pooling")
         return "; ".join(parts) + (f"; rope {config.rope}" if self.rope else "")
 
+    def runs(self, config: Any) -> str | None:
+        """What the report's summary says runs where a schedule or reuse is set: ``x8 in all
+        blocks; residual reuse every 5 steps``; None: the method's own words
+        (``downsample x2``)."""
+        if config.method != "downsample" or not (config.schedule or config.reuse):
+            return None
+        parts = [dit.schedule_of(config).describe() if config.schedule
+                 else f"downsample x{config.downsample_factor}"]
+        if config.reuse:
+            parts.append(f"residual reuse every {config.reuse} steps")
+        return "; ".join(parts)
+
     def method(self, config: Any) -> Any:
         """The method ``config`` runs here: its DiT form (None: it has none)."""
         return dit.method_for(config)
