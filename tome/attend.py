@@ -118,9 +118,12 @@ class Reuse:
         self.refresh = False
 
     def set_keep(self, keep: Keep) -> None:
-        """Keep ``keep`` from now on; drops what is kept."""
-        self.keep = keep
-        self.reset()
+        """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
+        refreshes at its next call; the current call too, where it reuses)."""
+        self.keep, self.kept, self.at = keep, {}, {}
+        self.refresh = self.who is not None
+        if self.who is not None:
+            self.at[self.who] = self.step
 
     def held_bytes(self) -> int:
         """Bytes kept now (the residuals and slopes)."""
@@ -157,7 +160,9 @@ class Reuse:
         """The one guard of every family's maths: a pooled attention output ``out`` (the
         sequence on ``dim``; ``span``: the image rows, start and stop) plus its kept residual,
         or on a refresh (or with nothing kept for ``key``) ``full()``, keeping ``full - out``
-        per ``keep``. ``key``: (block index, part, factor). Outside a call with reuse: ``out``."""
+        per ``keep``. ``full(rows=None)``: the unpooled attention (of the first ``rows`` query
+        rows only, where given: the auto policy times a refresh's share with it). ``key``:
+        (block index, part, factor). Outside a call with reuse: ``out``."""
         if self.who is None or not self.keeps(key[0]) or merge.compiling():
             return out
         key = key + (self.who,)
@@ -175,8 +180,8 @@ class Reuse:
                               out.narrow(dim, b, out.shape[dim] - b)], dim)
         f = full()
         r = f - out
-        if image is not None:
-            r = r.narrow(dim, image[0], image[1] - image[0])
+        if image is not None:  # a copy: a view would hold all of ``full - out``
+            r = r.narrow(dim, image[0], image[1] - image[0]).clone()
         slope = None
         if kept is not None and self.extrapolate and self.keep.slope and self.step > kept[2]:
             slope = (r - kept[0].to(r.dtype)) / float(self.step - kept[2])
@@ -219,7 +224,8 @@ def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
     # the full keys (rotated) only where a refresh runs the unpooled attention
     return wrapper.source.reuse.around(
         (wrapper.index, id(wrapper), plan.factor), out,
-        lambda: kernel(q, k if emb is None else rotate(k, emb), v, None),
+        lambda rows=None: kernel(q if rows is None else q.narrow(dim, 0, rows),
+                                 k if emb is None else rotate(k, emb), v, None),
         dim, (start, start + plan.tokens))
 
 

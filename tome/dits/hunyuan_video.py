@@ -90,7 +90,8 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     out = kernel(q, jk, jv, plan.bias(start, n + t, q.device))
     out = wrapper.source.reuse.around(
         (wrapper.index, id(wrapper), plan.factor), out,
-        lambda: kernel(q, torch.cat([rotate(kv, emb), ek], 1), torch.cat([v, ev], 1), None),
+        lambda rows=None: kernel(q if rows is None else q[:, :rows],
+                                 torch.cat([rotate(kv, emb), ek], 1), torch.cat([v, ev], 1), None),
         1, (start, n))
     out = out.flatten(2, 3).to(q.dtype)
     out, ctx = out[:, :-t], out[:, -t:]

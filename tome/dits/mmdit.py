@@ -99,9 +99,16 @@ class PostAttention:
                 self.shared.pop(key, None)
         return self.original(x)
 
-    def _full(self) -> torch.Tensor:
-        """This part of the unpooled joint attention ([text, image], as A1111's kernel)."""
+    def _full(self, rows: int | None = None) -> torch.Tensor:
+        """This part of the unpooled joint attention ([text, image], as A1111's kernel);
+        ``rows``: of this part's first query rows only (timing a refresh's share)."""
         (tq, tk, tv), (iq, ik, iv) = self.shared["text"], self.shared["image"]
+        if rows is not None:
+            q = (iq if self.image else tq)[:, :rows].unflatten(-1, (self.heads, -1))
+            k, v = (torch.cat(p, 1).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                    for p in ((tk, ik), (tv, iv)))
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v).transpose(1, 2) \
+                .flatten(2)
         if self.shared.get("full") is None or self.shared["full"][0] is not iq:
             q, k, v = (torch.cat(p, 1).unflatten(-1, (self.heads, -1)).transpose(1, 2)
                        for p in ((tq, iq), (tk, ik), (tv, iv)))

@@ -103,7 +103,8 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     out = kernel(jq, jk, jv, plan.bias(t, n, q.device))
     out = wrapper.source.reuse.around(
         (wrapper.index, id(wrapper), plan.factor), out,
-        lambda: kernel(jq, torch.cat([ek, rotate(k, img)], 1), torch.cat([ev, v], 1), None),
+        lambda rows=None: kernel(jq if rows is None else jq[:, :rows],
+                                 torch.cat([ek, rotate(k, img)], 1), torch.cat([ev, v], 1), None),
         1, (t, t + plan.tokens))
     out = out.flatten(2, 3).to(jq.dtype)
     txt_out, img_out = out[:, :t], out[:, t:]
