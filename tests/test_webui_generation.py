@@ -568,19 +568,15 @@ def test_measuring_off_in_the_settings_uses_the_thresholds(monkeypatch, tmp_path
 
 @pytest.mark.measure
 def test_measure_now_in_the_settings(monkeypatch, tmp_path):
-    from webui_stub.harness import script_callbacks
+    from webui_stub.harness import launch
 
     from tome.webui import measure_now
 
     calls = _fake_measurer(monkeypatch, tmp_path, 1.5, run_blocks=False)
     WebUI()
-    routes = {}
-    app = type("App", (), {"add_api_route": lambda self, path, fn, methods: routes.update(
-        {path: (fn, methods)})})()
-    script_callbacks._run("app_started", None, app)
-    fn, methods = routes[measure_now.ROUTE]
-    assert methods == ["POST"]
-    page = fn()["html"]
+    app = launch()  # no --api: the button's gradio event, no route
+    assert measure_now.ROUTE not in [getattr(r, "path", None) for r in app.routes]
+    page = _measure_now(app)
     assert page.count("<tr>") == 1 + 2 * 3  # header, 2 methods x 3 sizes x 1 level
     assert "1024x1024</td><td>ds1</td><td>16384</td>" in page and "1.50x" in page
     assert "<svg" in page and page.count("<polyline") == 2
@@ -592,17 +588,14 @@ def test_measure_now_in_the_settings(monkeypatch, tmp_path):
     assert "tome_measure_now" in shared.opts.data_labels
 
 
-def _measure_now():
-    """Settings > ToMe > Measure now, as the button posts it."""
-    from webui_stub.harness import script_callbacks
+def _measure_now(app=None):
+    """Settings > ToMe > Measure now, as the page runs it (its gradio event)."""
+    from fastapi.testclient import TestClient
+    from webui_stub.harness import launch, press
 
-    from tome.webui import measure_now
-
-    routes = {}
-    app = type("App", (), {"add_api_route": lambda self, path, fn, methods: routes.update(
-        {path: fn})})()
-    script_callbacks._run("app_started", None, app)
-    return routes[measure_now.ROUTE]()["html"]
+    r = press(TestClient(app or launch()), "tome_measure_now_button")
+    assert r.status_code == 200, r.text
+    return r.json()["data"][0]
 
 
 @pytest.mark.measure

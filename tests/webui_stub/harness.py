@@ -25,7 +25,9 @@ from modules import (  # noqa: E402
     sd_models,
     sd_unet,
     shared,
+    ui_settings,
 )
+from modules.api.api import Api  # noqa: E402
 from modules.infotext_utils import PAIR, parse_generation_parameters  # noqa: E402
 
 EXT_ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -37,8 +39,10 @@ __all__ = [
     "api_error",
     "call_queue",
     "errors",
+    "launch",
     "neo",
     "parse_generation_parameters",
+    "press",
     "processing",
     "script_callbacks",
     "scripts",
@@ -107,6 +111,8 @@ class WebUI:
                 runner.initialize_scripts(tab == "img2img")
                 runner.setup_ui()
                 self.runners[tab] = runner
+            self.settings = ui_settings.create_ui()
+        shared.demo = self.blocks
         with gr.Blocks():
             self.api_defaults = {tab: self.default_args(tab) for tab in self.runners}
 
@@ -234,6 +240,49 @@ class WebUI:
         p = self.make_p(tab, tome, **fields)
         with contextlib.closing(p):
             return xyz_grid.run(p, label, values)
+
+
+def launch():
+    """What ``webui.py`` does once the UI is built: gradio's app around ``shared.demo``
+    (behind ``--gradio-auth user:pass[,...]``, which guards gradio's own routes: the page,
+    ``/config``, ``/run/predict``, the queue), the HTTP API (``Api``) only with ``--api``,
+    then the ``on_app_started`` callbacks with the UI and the app. ``--nowebui``: a bare
+    FastAPI app with the API and no UI (``demo`` None). Returns the app, for a
+    ``TestClient``."""
+    from fastapi import FastAPI
+
+    cmd = shared.cmd_opts
+    if getattr(cmd, "nowebui", False):
+        app = FastAPI()
+        Api(app, call_queue.queue_lock)
+        script_callbacks.app_started_callback(None, app)
+        return app
+    demo = shared.demo
+    logins = [tuple(x.strip().split(":")) for x in (getattr(cmd, "gradio_auth", None) or "")
+              .split(",") if x.strip()]
+    demo.auth, demo.auth_message = logins or None, None
+    demo.config = demo.get_config_file()
+    app = gr.routes.App.create_app(demo)
+    if getattr(cmd, "api", False):
+        Api(app, call_queue.queue_lock)
+    script_callbacks.app_started_callback(demo, app)
+    return app
+
+
+def press(client, key: str, *data):
+    """A click on the component ``key`` (its elem_id, or a button's text) as the page sends
+    it: ``POST /run/predict`` with the index of the event that component triggers (read from
+    ``/config``, as the page does) and the session's cookies; the response. ``client``: a
+    ``TestClient`` on ``launch()``'s app, logged in (``POST /login``) where the UI has one."""
+    config = client.get("/config")
+    if config.status_code != 200:
+        return config
+    config = config.json()
+    ids = {c["id"] for c in config["components"] if c["props"].get("elem_id") == key
+           or (c.get("type") == "button" and c["props"].get("value") == key)}
+    index = next(i for i, dep in enumerate(config["dependencies"]) if ids & set(dep["targets"]))
+    return client.post("/run/predict", json={"fn_index": index, "data": list(data),
+                                             "session_hash": "stand-in"})
 
 
 def api_error(e: Exception, host: str) -> dict:

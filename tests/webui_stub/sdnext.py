@@ -18,7 +18,10 @@ nothing is copied). ``enter()`` turns the WebUI stand-in into it, ``leave()`` ba
   (``p.is_refiner_pass``, ``shared.sd_refiner``); ``postprocess_batch``; ``postprocess`` only
   when not interrupted; finally its token merging removed, the ``after_process`` callbacks,
   the options restored. The infotext gets SD.Next's own ``ToMe: <tome_ratio>`` when its method
-  is ToMe, else ``ToDo: <todo_ratio>`` whenever that ratio is not 0, merged or not.
+  is ToMe, else ``ToDo: <todo_ratio>`` whenever that ratio is not 0, merged or not;
+- ``launch()`` starts it as ``webui.py`` does: gradio's app behind ``--auth`` (its own routes
+  only), the HTTP API always (``Api``, kept as ``shared.api``), then ``on_app_started``;
+  ``--api-only``: the API alone, its routes behind ``--auth``'s users.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from secrets import compare_digest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # the stand-in's ``modules`` package, as in ``harness.py``
@@ -34,9 +38,12 @@ if HERE not in sys.path:  # the stand-in's ``modules`` package, as in ``harness.
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers.models.attention_processor import AttnProcessor2_0  # noqa: E402
+from fastapi import Depends, HTTPException  # noqa: E402
+from fastapi.security import HTTPBasic, HTTPBasicCredentials  # noqa: E402
 from modules import processing, script_callbacks, scripts, shared  # noqa: E402
 
 LOG: list[str] = []
+BASIC = Depends(HTTPBasic())  # the Authorization header's user and password, or 401
 _saved: dict = {}
 
 
@@ -59,6 +66,7 @@ def enter() -> None:
     log.propagate = False
     shared.log = log
     shared.sd_refiner = None
+    shared.api = None  # set at launch
     LOG.clear()
     script_callbacks.on_after_process = lambda fn, *, name=None: script_callbacks._add(
         "after_process", fn, name)
@@ -70,7 +78,7 @@ def leave() -> None:
             setattr(scripts.Script, name, _saved.pop(name))
     if "OptionHTML" in _saved:
         shared.OptionHTML = _saved.pop("OptionHTML")
-    for name in ("log", "sd_refiner"):
+    for name in ("log", "sd_refiner", "api"):
         vars(shared).pop(name, None)
     vars(script_callbacks).pop("on_after_process", None)
 
@@ -82,6 +90,66 @@ def add_options() -> None:
                                                                      section=section))
     for key in ("tome_ratio", "todo_ratio"):
         shared.opts.add_option(key, shared.OptionInfo(0.0, key, section=section))
+
+
+# ----------------------------------------------------------------------------- the app
+
+def _users() -> dict[str, str]:
+    """``--auth user:pass[,user:pass...]`` (quotes and spaces stripped)."""
+    users = {}
+    for pair in (getattr(shared.cmd_opts, "auth", None) or "").split(","):
+        if pair.strip():
+            user, password = pair.split(":")
+            users[user.replace('"', "").strip()] = password.replace('"', "").strip()
+    return users
+
+
+class Api:
+    """SD.Next's HTTP API object (``shared.api``): created at every start, its routes
+    registered by ``register``. ``add_api_route`` puts the HTTP Basic check of ``--auth``'s
+    users in front of a route only with ``--api-only``; otherwise SD.Next leaves the login to
+    gradio, whose check covers gradio's own routes, not these."""
+
+    def __init__(self, app, queue_lock):
+        self.credentials = _users()
+        self.app, self.queue_lock = app, queue_lock
+
+    def register(self):
+        self.add_api_route("/sdapi/v1/sd-models", self.get_sd_models, methods=["GET"])
+
+    def add_api_route(self, path, endpoint, **kwargs):
+        if getattr(shared.cmd_opts, "auth", None) and getattr(shared.cmd_opts, "api_only", False):
+            kwargs["dependencies"] = [Depends(self.auth)]
+        self.app.add_api_route(path, endpoint, **kwargs)
+
+    def auth(self, credentials: HTTPBasicCredentials = BASIC):
+        known = self.credentials.get(credentials.username)
+        if known is not None and compare_digest(credentials.password, known):
+            return True
+        raise HTTPException(401, "Unauthorized", headers={"WWW-Authenticate": "Basic"})
+
+    def get_sd_models(self):
+        return [] if shared.sd_model is None else [{"title": type(shared.sd_model).__name__}]
+
+
+def launch():
+    """Start as ``webui.py`` does; the app, for a ``TestClient``."""
+    import gradio as gr
+    from fastapi import FastAPI
+    from modules.call_queue import queue_lock
+
+    demo = None
+    if getattr(shared.cmd_opts, "api_only", False):
+        app = FastAPI()
+    else:
+        demo = shared.demo
+        demo.auth, demo.auth_message = list(_users().items()) or None, None
+        demo.config = demo.get_config_file()
+        app = gr.routes.App.create_app(demo)
+    shared.api = Api(app, queue_lock)
+    shared.api.register()
+    script_callbacks.app_started_callback(demo, app)
+    return app
 
 
 # ----------------------------------------------------------------------------- the model

@@ -1,14 +1,20 @@
 """Settings > ToMe > "Measure now": time the loaded model at its usual sizes, per method.
 
-The button (``javascript/tome_measure.js``) posts to ``/tome/measure``; the answer is an HTML
-table per method and an SVG plot of the speed-up against image size, with the line above which
-the auto policy merges. Measuring holds the WebUI's queue lock, so it never runs beside a
-generation; the results go into the same cache the generations read.
+The button is a gradio event (``settings_component`` in Settings; SD.Next, whose Settings shows
+no button, carries it in the accordion): the host's login and queue apply to it as to its own
+buttons, and its answer, built here with everything it quotes escaped, is an HTML table per
+method and an SVG plot of the speed-up against image size, with the line above which the auto
+policy merges. For API users ``POST /tome/measure`` (a JSON object body, ``{}``) answers
+``{"html": ...}``; it is registered through the host's own API object, only where the host
+serves its API, so the host's API login applies (``register_api``). Measuring holds the
+WebUI's queue lock, so it never runs beside a generation; the results go into the same cache
+the generations read.
 """
 
 from __future__ import annotations
 
 import html
+import sys
 from typing import Any
 
 from .. import policy
@@ -19,7 +25,13 @@ from ..survey import HEAD, Survey, survey
 from . import host, narrate
 from . import script_args as A
 
+try:  # the hosts' web framework (FastAPI on starlette): the route's request, by annotation
+    from starlette.requests import Request
+except ImportError:  # outside a WebUI
+    Request = Any
+
 ROUTE = "/tome/measure"
+BUTTON_ID, RESULT_ID = "tome_measure_now_button", "tome_measure_result"
 HELP = ("<p>Times the loaded model on this device at its usual first-pass and hires sizes, "
         "merged and unmerged, per method (SD1, SD2, SD3: 512 to 1024 px; SDXL: 1024 and 1536 px; "
         "a minute or more on a CPU). The generations then read these results.</p>")
@@ -51,8 +63,9 @@ def render(found: Survey) -> str:
     if not found.found and not found.missed:
         return "<p>ToMe: nothing to measure.</p>"
     head = "<tr>" + "".join(f"<th>{h}</th>" for h in HEAD) + "</tr>"
-    rows = ["<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in found.rows()]
-    rows += [f"<tr><td>{html.escape(method)}</td><td>{image}</td>"
+    rows = ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in found.rows()]
+    rows += [f"<tr><td>{html.escape(method)}</td><td>{html.escape(image)}</td>"
              f"<td colspan='6'>skipped: {html.escape(why)}</td></tr>"
              for method, image, why in found.skipped()]
     return (f"<p>{html.escape(found.title())}</p><table class='tome-measure'>{head}"
@@ -92,19 +105,96 @@ def plot(found: Survey, width: int = 520, height: int = 260) -> str:
     return "".join(parts)
 
 
-def register_api(demo: Any, app: Any) -> None:
-    """``on_app_started``: ``POST /tome/measure`` measures the loaded model."""
-    app.add_api_route(ROUTE, measure_loaded, methods=["POST"])
+def settings_component(**kwargs: Any) -> Any:
+    """Settings > ToMe > Measure now as ``OptionInfo.component`` (the host calls it with the
+    option's label, value and elem_id): the button, the help text (the option's own component,
+    which the host reads back on "Apply settings" and never saves) and the answer below it.
+    The click is a gradio event: the host's login and queue apply, no route of ours."""
+    import gradio as gr
+
+    button = gr.Button("Measure now", elem_id=BUTTON_ID)
+    text = gr.HTML(elem_classes="settings-info", **kwargs)
+    out = gr.HTML(elem_id=RESULT_ID)
+    button.click(fn=page, outputs=[out])
+    return text
 
 
-def measure_loaded() -> dict[str, str]:
-    """Measure ``shared.sd_model`` under the queue lock; ``{"html": ...}``."""
+def page() -> str:
+    """The button's answer: measure the loaded model under the queue lock; the HTML says what
+    went wrong where nothing was measured (one console line)."""
     from modules.call_queue import queue_lock
 
     with queue_lock:
-        model, why = host.loaded_model()
-        if model is None:
-            narrate.console(f"ToMe: Measure now: {why}")
-            return {"html": f"<p>ToMe: {html.escape(why)}.</p>"}
-        text, _ = run(model, host.measuring_service(), host.compute_device(model))
-    return {"html": text}
+        try:
+            model, why = host.loaded_model()
+            if model is None:
+                narrate.console(f"ToMe: Measure now: {why}")
+                return f"<p>ToMe: {html.escape(why)}.</p>"
+            text, _ = run(model, host.measuring_service(), host.compute_device(model))
+        except Exception as e:  # noqa: BLE001 (said to the user; the WebUI stays up)
+            why = f"{type(e).__name__}: {e}"
+            narrate.console(f"ToMe: Measure now failed: {why}")
+            return f"<p>ToMe: Measure now failed: {html.escape(why)}</p>"
+    return text
+
+
+def measure_loaded() -> dict[str, str]:
+    """``{"html": ...}``: what the button shows (the API route's answer)."""
+    return {"html": page()}
+
+
+def host_api(app: Any) -> Any:
+    """The host's API object, or None where the host does not serve its API: SD.Next keeps it
+    as ``shared.api``; A1111 and Forge keep none, but their API's routes are its bound methods
+    (created only with ``--api`` or ``--nowebui``)."""
+    from modules import shared
+
+    api = getattr(shared, "api", None)
+    if api is not None:
+        return api
+    cls = getattr(sys.modules.get("modules.api.api"), "Api", None)
+    if cls is None:
+        return None
+    for route in getattr(app, "routes", ()):
+        owner = getattr(getattr(route, "endpoint", None), "__self__", None)
+        if isinstance(owner, cls):
+            return owner
+    return None
+
+
+def register_api(demo: Any, app: Any) -> None:
+    """``on_app_started``: ``POST /tome/measure`` through the host's API object, so its login
+    applies (A1111 and Forge: ``--api-auth``, which ``Api.add_api_route`` adds); nothing where
+    the host serves no API. SD.Next's ``add_api_route`` adds its ``--auth`` check only with
+    ``--api-only`` (gradio checks its own routes, not the API's): the route asks for those
+    users itself there."""
+    api = host_api(app)
+    if api is None:
+        return
+    extra: dict[str, Any] = {}
+    if host.sdnext() and getattr(api, "credentials", None):
+        from fastapi import Depends
+        extra["dependencies"] = [Depends(api.auth)]
+    api.add_api_route(ROUTE, measure_api, methods=["POST"], **extra)
+
+
+async def measure_api(request: Request) -> dict[str, str]:
+    """``POST /tome/measure``: a JSON object (``{}``; no keys yet), so a cross-site form or
+    ``text/plain`` post, which a browser sends without asking, is refused (415) before anything
+    runs; the measuring runs in a worker thread."""
+    from fastapi import HTTPException
+    from starlette.concurrency import run_in_threadpool
+
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise HTTPException(415, f"ToMe: {ROUTE} takes a JSON object (Content-Type: "
+                                 f"application/json), got {kind or 'no content type'}")
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise HTTPException(400, f"ToMe: {ROUTE}: the body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise HTTPException(422, f"ToMe: {ROUTE} takes a JSON object, e.g. {{}}")
+    if body:
+        raise HTTPException(422, f"ToMe: {ROUTE}: unknown setting(s) {sorted(body)}")
+    return await run_in_threadpool(measure_loaded)

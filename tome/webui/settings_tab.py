@@ -11,8 +11,9 @@ SECTION = ("tome", "ToMe")
 
 
 def html_options() -> bool:
-    """The host shows static HTML in Settings (A1111 >= 1.6, every Forge); SD.Next does not,
-    so the accordion carries Measure now there instead (``ui.build``)."""
+    """The host shows HTML and buttons in Settings (A1111 >= 1.6, every Forge: it has
+    ``OptionHTML``); SD.Next does not, so the accordion carries Measure now there instead
+    (``ui.build``)."""
     try:
         from modules import shared
     except ImportError:
@@ -41,12 +42,12 @@ def register() -> None:
              "step": 0.01}).info(f"0 = same as the first pass; must not exceed {RATIO_RULE}"),
     }
     if html_options():  # WebUI >= 1.6 and every Forge
-        options["tome_measure_now"] = shared.OptionHTML(
-            "<button class='lg secondary gradio-button' onclick='tomeMeasureNow(this)'>Measure "
-            "now</button> times the loaded model on this device at its usual first-pass and "
-            "hires sizes, merged and unmerged, per method (SD1, SD2, SD3: 512 to 1024 px; SDXL: "
-            "1024 and 1536 px; a minute or more on a CPU). The generations then read these "
-            "results.<div id='tome_measure_result'></div>")
+        from . import measure_now
+        # The button, its help text and its answer (a gradio event: the host's login and queue
+        # apply); the option's own value, the help text, is never saved.
+        button = shared.OptionInfo(measure_now.HELP, "", component=measure_now.settings_component)
+        button.do_not_save = True
+        options["tome_measure_now"] = button
     for key, info in options.items():
         info.section = SECTION
         shared.opts.add_option(key, info)

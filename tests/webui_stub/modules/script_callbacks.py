@@ -44,6 +44,7 @@ def model_loaded_callback(sd_model): _run("model_loaded", sd_model)
 def ui_settings_callback(): _run("ui_settings")
 def cfg_denoiser_callback(params): _run("cfg_denoiser", params)
 def before_ui_callback(): _run("before_ui")
+def app_started_callback(demo, app): _run("app_started", demo, app)
 
 
 def script_unloaded_callback():

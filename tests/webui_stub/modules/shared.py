@@ -9,6 +9,7 @@ class OptionInfo:
                  infotext=None, restrict_api=False, category_id=None):
         self.default, self.label, self.component = default, label, component
         self.component_args, self.section, self.infotext = component_args, section, infotext
+        self.do_not_save = False
 
     def info(self, text):
         self.comment_after = text
@@ -16,11 +17,17 @@ class OptionInfo:
 
 
 class OptionHTML(OptionInfo):
-    """Static HTML in the settings page (WebUI >= 1.6): its text is the default, never saved."""
+    """Static HTML in the settings page (WebUI >= 1.6): its text is the default, shown in a
+    ``gr.HTML`` of class ``settings-info``, never saved."""
 
     def __init__(self, text):
-        super().__init__(str(text).strip(), label="")
+        super().__init__(str(text).strip(), label="", component=_html)
         self.do_not_save = True
+
+
+def _html(**kwargs):
+    import gradio as gr
+    return gr.HTML(elem_classes="settings-info", **kwargs)
 
 
 class Options:
@@ -46,7 +53,7 @@ class Options:
         self.data[key] = value
 
     def set(self, key, value, is_api=False, run_callbacks=True):
-        if key not in self.data_labels:
+        if key not in self.data_labels or self.data_labels[key].do_not_save:
             return False
         self.data[key] = value
         return True
@@ -58,13 +65,14 @@ class State:
 
 
 def reset():
-    global opts, cmd_opts, sd_model, state
+    global opts, cmd_opts, sd_model, state, demo
     opts = Options()
     for key in ("token_merging_ratio", "token_merging_ratio_img2img", "token_merging_ratio_hr"):
         opts.add_option(key, OptionInfo(0.0, key, section=("optimizations", "Optimizations")))
     cmd_opts = argparse.Namespace()
     sd_model = None
     state = State()
+    demo = None  # the UI's gr.Blocks, once built
 
 
 reset()

@@ -1,0 +1,1 @@
+"""``modules.api``: the WebUI's HTTP API (``api.py``)."""
