@@ -43,11 +43,12 @@ def model(config=TINY_SD15):
 
 
 def defaults(**changes):
-    """The node's values as a fresh node in the graph editor has them."""
+    """The node's values as a fresh node in the graph editor has them, with preset custom
+    (the inputs as set) unless ``changes`` name one."""
     spec = inputs.input_types()
     values = {name: opts.get("default") for part in spec.values()
               for name, (_, opts) in part.items() if name != "model"}
-    return {**values, **changes}
+    return {**values, "preset": inputs.CUSTOM, **changes}
 
 
 def run(patcher, sigma=14.6146, size=32):
@@ -321,7 +322,8 @@ def test_the_example_workflow_matches_the_nodes():
 
 # ----------------------------------------------------------------------------- DiTs
 
-LATENTS = {"flux": (1, 4, 16, 24), "qwen": (1, 4, 1, 16, 24), "wan": (1, 4, 3, 16, 24)}
+LATENTS = {"flux": (1, 4, 16, 24), "qwen": (1, 4, 1, 16, 24), "wan": (1, 4, 3, 16, 24),
+           "aura": (1, 4, 16, 24), "sd3": (1, 4, 16, 24), "hunyuan": (1, 4, 3, 16, 24)}
 FAMILY_NAMES = {"flux": "comfy flux", "qwen": "comfy qwen-image", "wan": "comfy wan"}
 FIXED = {"method": "downsample", "policy": "fixed"}
 
@@ -329,16 +331,24 @@ FIXED = {"method": "downsample", "policy": "fixed"}
 def dit_model(family="flux", **kw):
     """ComfyUI 0.8.0's Flux, Qwen-Image or Wan 2.1 (tiny stand-ins) behind a ModelPatcher,
     with their model sampling (Flux and Qwen-Image: shift 1.15; Wan: discrete flow, shift
-    8)."""
+    8); and three it does not pool yet: AuraFlow (shift 1.73, timestep = sigma), SD3 (shift
+    3) and HunyuanVideo (shift 7)."""
+    from comfy.ldm.aura.mmdit import MMDiT
     from comfy.ldm.flux.model import Flux
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
     from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
     from comfy.ldm.wan.model import WanModel
     from comfy.model_base import BaseModel
     from comfy.model_sampling import ModelSamplingDiscreteFlow
     torch.manual_seed(0)
-    net, sampling = {"flux": (Flux, lambda: ModelSamplingFlux(shift=1.15)),
-                     "qwen": (QwenImageTransformer2DModel, lambda: ModelSamplingFlux(shift=1.15)),
-                     "wan": (WanModel, lambda: ModelSamplingDiscreteFlow(shift=8.0))}[family]
+    net, sampling = {
+        "flux": (Flux, lambda: ModelSamplingFlux(shift=1.15)),
+        "qwen": (QwenImageTransformer2DModel, lambda: ModelSamplingFlux(shift=1.15)),
+        "wan": (WanModel, lambda: ModelSamplingDiscreteFlow(shift=8.0)),
+        "aura": (MMDiT, lambda: ModelSamplingDiscreteFlow(shift=1.73, multiplier=1.0)),
+        "sd3": (OpenAISignatureMMDITWrapper, lambda: ModelSamplingDiscreteFlow(shift=3.0)),
+        "hunyuan": (HunyuanVideo, lambda: ModelSamplingDiscreteFlow(shift=7.0))}[family]
     return ModelPatcher(BaseModel(net(**kw).eval(), sampling()))
 
 
@@ -413,7 +423,7 @@ def test_each_comfy_dit_is_pooled_through_the_attention_override(lines, monkeypa
     assert not torch.equal(out, ref) and close(out, ref)
     assert torch.equal(sample(ours, family), out)
     assert torch.equal(sample(base, family), ref)
-    assert getattr(ours, mp.MARK).fired == 8 and len(lines) == 2
+    assert getattr(ours, mp.MARK).counts() == (8, 8, 8, 8, 8) and len(lines) == 2
 
 
 def test_a_graph_without_the_node_after_one_with_it_is_bit_identical(lines):
@@ -453,7 +463,8 @@ def test_an_override_already_there_is_chained_with_the_pooled_tensors(lines, mon
 
 def test_a_non_chaining_override_installed_after_ours_is_said(lines):
     """A node that sets its own override inside the call, after ours, without calling it:
-    nothing is pooled, and one line says so."""
+    nothing is pooled, and after each sampling one line says so (what happened, not what
+    was installed)."""
     from comfy.ldm.modules import attention as comfy_attention
 
     def theirs(func, *args, **kwargs):
@@ -470,9 +481,15 @@ def test_a_non_chaining_override_installed_after_ours_is_said(lines):
     (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
     after = ours.clone()
     after.add_wrapper_with_key("diffusion_model", "theirs", replace)
+    told = len(lines)
     assert torch.equal(sample(after), sample(plain))
+    assert lines[told:] == ["ToMe: not pooled in this sampling (4 model calls): the attention "
+                            "override was installed but never called (a node after this ToMe "
+                            "node replaced ComfyUI's optimized_attention_override without "
+                            "calling it)"]
     sample(after)
-    assert lines.count(override.OverridePatch.SILENT) == 1
+    assert len(lines) == told + 2 and lines[-1] == lines[-2]
+    assert override.OverridePatch.SILENT not in lines  # said once, after the sampling
 
 
 def test_reference_latents_stay_unpooled(lines, monkeypatch):
@@ -506,8 +523,9 @@ def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
 
 
 def test_calls_a_family_cannot_place_are_not_pooled():
-    """HunyuanVideo has Flux's blocks (read as Flux) but a 3-D patch and [image, text]: its
-    calls are not placed, so nothing is pooled there rather than pooling the wrong tokens."""
+    """HunyuanVideo has Flux's blocks but a 3-D patch and [image, text] (no longer read as
+    Flux: below); Flux's reading of such a call places nothing rather than the wrong
+    tokens."""
     from types import SimpleNamespace
 
     from tome import adapters
@@ -519,6 +537,95 @@ def test_calls_a_family_cannot_place_are_not_pooled():
                       {"ref_latents": [torch.zeros(1, 16, 4, 4)]}) == \
         override.Spans(5, True, 0, 1, 4, 5, 4)
     assert flux_spans(flux, torch.zeros(1, 16, 8, 8), None, {}) is None
+
+
+NOT_READ = ("has no UNet transformer blocks to merge and is not a DiT it can pool",
+            f"; {nodes.PASSES}")
+
+
+def test_auraflow_passes_through_with_its_line(lines):
+    """AuraFlow's model class is called ``MMDiT``, as A1111's SD3 is, but has none of its
+    structure: the node used to raise ``AttributeError: 'MMDiT' object has no attribute
+    'x_embedder'`` and fail the prompt. It passes through with the one line."""
+    base = dit_model("aura")
+    ref = sample(base, "aura")
+    (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    assert out is base and len(lines) == 1
+    assert lines[0].startswith("ToMe: MMDiT " + NOT_READ[0]) and lines[0].endswith(NOT_READ[1])
+    assert torch.equal(sample(out, "aura"), ref) and len(lines) == 1
+
+
+@pytest.mark.parametrize("family", ["sd3", "hunyuan"])
+def test_comfy_sd3_and_hunyuan_video_are_not_claimed_by_another_family(lines, family):
+    """ComfyUI's SD3 (the reference MMDiT A1111 runs too, called with
+    ``transformer_options``) was taken for A1111's SD3 and got an attn1 patch its blocks never
+    call; HunyuanVideo (Flux's blocks, a 3-D patch, [image, text]) was read as Flux, whose
+    spans place none of its calls: both said "blocks pooled" while their latents were the
+    unpatched ones. Neither is claimed now: the one line, the model passed through."""
+    base = dit_model(family)
+    ref = sample(base, family)
+    (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    name = {"sd3": "OpenAISignatureMMDITWrapper", "hunyuan": "HunyuanVideo"}[family]
+    assert out is base and len(lines) == 1
+    assert lines[0].startswith(f"ToMe: {name} {NOT_READ[0]}") and lines[0].endswith(NOT_READ[1])
+    assert not any("pooled" in line for line in lines)
+    assert torch.equal(sample(out, family), ref) and len(lines) == 1
+
+
+@pytest.mark.parametrize("fails", ["recognise", "read"])
+def test_a_family_that_fails_on_a_model_passes_it_through(lines, fails):
+    """Defence in depth: any exception in a family's ``recognise`` or ``read`` passes the
+    model through with its line (naming what failed, for read) instead of failing the
+    prompt; a failing ``recognise`` leaves the other families to read the model."""
+    from tome import dits
+    from tome.dits import Family
+
+    def broken(model):
+        raise KeyError("no such weight")
+
+    def everything(model):
+        return True
+
+    toy = Family("toy broken", broken if fails == "recognise" else everything, broken)
+    dits.REGISTRY = {toy.name: toy, **dits.REGISTRY}  # tried first
+    try:
+        base = dit_model("aura")
+        (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+        assert out is base and len(lines) == 1 and lines[0].endswith(NOT_READ[1])
+        if fails == "read":
+            assert "it looked like toy broken but could not be read as one (KeyError: " \
+                "'no such weight')" in lines[0]
+        flux = dit_model()
+        (out,) = nodes.ToMePatch().patch(flux, **defaults(**FIXED))
+        assert (out is not flux) == (fails == "recognise")  # read by comfy flux after all
+    finally:
+        dits.unregister(toy.name)
+
+
+def test_not_pooled_after_a_sampling_says_why(lines, monkeypatch):
+    """The node's line says what was installed; after a sampling where no call was pooled, one
+    line says so and why (counted per model call in the apply_model wrapper: Python ints, no
+    tensor read); a sampling that pooled says nothing more."""
+    from tome import adapters
+    base = dit_model()
+    (late,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, start=0.99))
+    told = len(lines)
+    sample(late)
+    assert lines[told:] == ["ToMe: steps 0.99-1 (sigma <= 0.0309): merging in 0 of 4 steps",
+                            "ToMe: not pooled in this sampling (4 model calls): no step was "
+                            "pooled by the settings (the step window or the auto policy)"]
+    monkeypatch.setitem(adapters.COMFY_SPANS, "comfy flux", lambda *a: None)
+    (unplaced,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    told = len(lines)
+    assert torch.equal(sample(unplaced), sample(base))
+    assert lines[told:] == ["ToMe: not pooled in this sampling (4 model calls): comfy flux "
+                            "cannot place this model's tokens (its latent or text is not laid "
+                            "out as that family's are)"]
+    monkeypatch.undo()
+    (ours,) = nodes.ToMePatch().patch(late, **defaults(**FIXED))  # replaces the earlier node
+    told = len(lines)
+    sample(ours)
+    assert lines[told:] == [] and getattr(ours, mp.MARK).counts()[-1] == 4
 
 
 def test_merge_on_a_dit_passes_through_with_one_line(lines):
@@ -605,6 +712,7 @@ def test_a_compiled_model_recompiles_at_most_once_per_resolution(lines, order):
     for latent in ((1, 4, 16, 24), (1, 4, 16, 24), (1, 4, 24, 24)):
         torch.testing.assert_close(sample(model, latent=latent), sample(eager, latent=latent))
     assert counter.frame_count <= 2 * 2, counter.frame_count  # 2 resolutions x (unpooled, pooled)
+    assert not any("not pooled" in line for line in lines)  # the graph replays the count
     torch.testing.assert_close(one_call(model, 1.0), one_call(base, 1.0))
 
 

@@ -15,11 +15,12 @@ from typing import Any
 
 from .. import adapters, override, patcher, policy
 from ..config import ToMeConfig
-from ..layout import UnsupportedModelError
+from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
 
 CATEGORY = "model_patches/unet"
 DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
+OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE: around a whole sampling
 GUARD_KEY = "tome"
 PASSES = "the model passes through unchanged"
 IGNORED = ("merge_crossattn", "merge_mlp")  # the patcher reaches only self-attention
@@ -105,6 +106,36 @@ class SamplingGuard:
         return {**options, "patches": {**patches, **kept}}
 
 
+class AfterSampling:
+    """A ComfyUI ``outer_sample`` wrapper on our clone: after each sampling, one line where
+    the patch did nothing, saying why; a report of what happened, not of what was installed
+    (the node's line at graph time says what was installed). The override counts its model
+    calls (``OverridePatch.counts``: Python ints in its ``apply_model`` wrapper, no tensor
+    read); the attn1 forms count their calls. An interrupted sampling says nothing."""
+
+    def __init__(self, mark: Any, guard: SamplingGuard, say: Callable[[str], Any]):
+        self.mark, self.guard, self.say = mark, guard, say
+
+    def __deepcopy__(self, memo: dict) -> AfterSampling:
+        return self
+
+    def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
+        mark = self.mark
+        counted = isinstance(mark, override.OverridePatch)
+        since = mark.counts() if counted else mark.calls
+        out = executor(*args, **kwargs)
+        if counted:
+            line = mark.not_pooled(since)
+        elif mark.calls == since and not self.guard.silent_told:
+            self.guard.silent_told = True  # the guard tells it at a call where it runs
+            line = mark.SILENT
+        else:
+            line = None
+        if line:
+            self.say(line)
+        return out
+
+
 def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = None) -> Any:
     """``model`` (a ComfyUI ``ModelPatcher``) with token merging: a patched clone, or
     ``model`` itself where nothing is merged (a model it cannot read, merge on a DiT, settings
@@ -123,6 +154,9 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         base = model.clone()
         patcher.strip(base, lambda fn: patcher.is_ours(fn) or patcher.is_tomesd(fn))
         override.strip(base)
+        if hasattr(base, "remove_wrappers_with_key"):  # its guard and report: ours replace them
+            for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
+                base.remove_wrappers_with_key(kind, GUARD_KEY)
         what = "an earlier ToMe node's patch" if ours or wrapped else ""
         if foreign:
             what += (" and " if what else "") + "ComfyUI's built-in TomePatchModel"
@@ -144,7 +178,6 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
             say(f"ToMe: this ComfyUI has no attention override (added in 0.3.60), so DiTs are "
                 f"not pooled; update ComfyUI; {PASSES}")
             return model
-        mark.on_silent = lambda: say(mark.SILENT)
     else:
         guard.patch = mark
     if not report.planner.window.full:
@@ -153,6 +186,8 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         mark.on_call = guard.tell_window
     elif hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
+    if mark is not None and hasattr(clone, "add_wrapper_with_key"):
+        clone.add_wrapper_with_key(OUTER_SAMPLE, GUARD_KEY, AfterSampling(mark, guard, say))
     if config.policy == "auto":
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
@@ -185,7 +220,21 @@ class ToMePatch:
         return inputs.input_types()
 
     def patch(self, model: Any, **values: Any) -> tuple[Any]:
-        return (apply(model, inputs.config(values)),)
+        kind = model_kind(model)
+        config = inputs.config(values, kind)
+        if inputs.preset_name(values) == inputs.RECOMMENDED:
+            host.console(f"ToMe: preset {inputs.RECOMMENDED} is {inputs.PER_KIND[kind]} on "
+                         f"this {'DiT' if kind == 'dit' else 'UNet'} (preset custom uses the "
+                         "node's inputs)")
+        return (apply(model, config),)
+
+
+def model_kind(model: Any) -> str:
+    """``"dit"`` or ``"unet"`` (also for a model the library cannot read: ``apply`` says so)."""
+    try:
+        return "dit" if read(getattr(model, "model", None)).dit is not None else "unet"
+    except UnsupportedModelError:
+        return "unet"
 
 
 class ToMeMeasure:
@@ -207,11 +256,17 @@ class ToMeMeasure:
             "model": ("MODEL", {"tooltip": "The model to time (its UNet, on its device)."}),
             "sizes": ("STRING", {"default": measure_node.SIZES, "tooltip": (
                 "Square image sizes in px, comma-separated (multiples of 8).")}),
-        }}
+        }, "optional": {"remeasure": measure_node.REMEASURE}}
 
-    def measure(self, model: Any, sizes: str) -> dict:
+    @classmethod
+    def IS_CHANGED(cls, remeasure: bool = False, **_: Any) -> Any:  # noqa: N802 (ComfyUI's)
+        """Re-measuring runs every time it is queued (NaN never equals itself), not once."""
+        return float("nan") if remeasure else False
+
+    def measure(self, model: Any, sizes: str, remeasure: bool = False) -> dict:
         text, image = measure_node.run(model, measure_node.parse_sizes(sizes),
-                                       host.measuring_service(), host.load_for_sampling)
+                                       host.measuring_service(), host.load_for_sampling,
+                                       remeasure)
         return {"ui": {"text": [text]}, "result": (text, image)}
 
 

@@ -1,0 +1,124 @@
+"""The ToMe node's inputs as a newcomer meets them (``tome/comfy/inputs.py``): the preset and the
+three inputs most users touch in front, every other input marked advanced, saved graphs kept
+(the inputs' order), and a default preset that suits the model kind, resolved when the node
+runs (against ``tests/comfy_stub``, ComfyUI 0.8.0's contract)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = str(Path(__file__).resolve().parent / "comfy_stub")
+if STUB not in sys.path:
+    sys.path.insert(0, STUB)
+
+from comfy.model_base import BaseModel  # noqa: E402
+from comfy.model_patcher import ModelPatcher  # noqa: E402
+from comfy.model_sampling import ModelSamplingDiscrete, ModelSamplingFlux  # noqa: E402
+from comfy.sampling import comfy_blocks  # noqa: E402
+from models import TINY_SD15, ldm_unet  # noqa: E402
+
+from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.config import preset, without_reuse  # noqa: E402
+
+# The node's inputs in the order of every release so far: a saved UI workflow keeps its widget
+# values by position, so this order may only grow at its end.
+ORDER = ["model", "preset", "method", "ratio", "downsample_factor", "max_downsample", "sx", "sy",
+         "use_rand", "seed", "start", "end", "policy", "merge_crossattn", "merge_mlp",
+         "matching", "share", "rope", "blocks", "proportional", "schedule", "reuse"]
+
+
+def unet():
+    m = torch.nn.Module()
+    m.diffusion_model = comfy_blocks(ldm_unet(TINY_SD15))
+    m.model_sampling = ModelSamplingDiscrete()
+    return ModelPatcher(m)
+
+
+def flux():
+    from comfy.ldm.flux.model import Flux
+    torch.manual_seed(0)
+    return ModelPatcher(BaseModel(Flux().eval(), ModelSamplingFlux(shift=1.15)))
+
+
+def fresh(**changes):
+    """The values of a node just added in the graph editor (every default), with ``changes``."""
+    values = {name: opts.get("default") for part in inputs.input_types().values()
+              for name, (_, opts) in part.items() if name != "model"}
+    return {**values, **changes}
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    said = []
+    monkeypatch.setattr(host, "console", said.append)
+    return said
+
+
+@pytest.fixture
+def applied(monkeypatch):
+    """The config each node run hands the patch (the run itself goes on)."""
+    seen = []
+    real = nodes.apply
+
+    def spy(model, config, say=None):
+        seen.append(config)
+        return real(model, config, say)
+    monkeypatch.setattr(nodes, "apply", spy)
+    return seen
+
+
+def test_at_most_five_inputs_besides_the_model_are_in_front():
+    spec = inputs.input_types()
+    front = [name for part in spec.values() for name, (_, opts) in part.items()
+             if not opts.get("advanced")]
+    assert front == ["model", "preset", "method", "ratio", "downsample_factor", "policy"]
+    advanced = [name for part in spec.values() for name, (_, opts) in part.items()
+                if opts.get("advanced")]
+    assert advanced and all(spec["required"].get(n, spec["optional"].get(n))[1]["advanced"]
+                            is True for n in advanced)
+    assert len(front) + len(advanced) == len(ORDER)
+
+
+def test_the_order_of_the_inputs_is_kept_for_saved_graphs():
+    spec = inputs.input_types()
+    assert [name for part in (spec["required"], spec["optional"]) for name in part] == ORDER
+
+
+def test_a_fresh_node_uses_balanced_on_a_unet_and_says_so(lines, applied):
+    (out,) = nodes.ToMePatch().patch(unet(), **fresh(seed=3))
+    assert out is not None and applied == [preset("balanced", seed=3)]
+    assert applied[0].policy == "auto"
+    assert lines[0] == ("ToMe: preset recommended is balanced on this UNet (preset custom uses "
+                        "the node's inputs)")
+
+
+def test_a_fresh_node_pools_a_dit_with_the_quality_preset(lines, applied):
+    base = flux()
+    (out,) = nodes.ToMePatch().patch(base, **fresh())
+    assert applied == [preset("quality")] and applied[0].method == "downsample"
+    assert out is not base  # pooled: the old default (merge) passed a DiT through unchanged
+    assert lines[0].startswith("ToMe: preset recommended is quality on this DiT")
+    # ComfyUI's DiT form has no residual reuse: the preset's point without it applies
+    assert without_reuse(applied[0]).reuse == 0
+
+
+def test_presets_and_custom_are_as_before(applied):
+    nodes.ToMePatch().patch(unet(), **fresh(preset="fast", ratio=0.1, seed=7))
+    nodes.ToMePatch().patch(unet(), **fresh(preset="custom", ratio=0.25))
+    assert applied[0] == preset("fast", seed=7)  # a preset replaces the inputs but the seed
+    assert (applied[1].method, applied[1].ratio, applied[1].policy) == ("merge", 0.25, "auto")
+    with pytest.raises(ValueError, match="ToMe: unknown preset 'turbo'"):
+        inputs.config(fresh(preset="turbo"))
+
+
+def test_an_unreadable_model_passes_through_with_the_one_message(lines):
+    m = torch.nn.Module()
+    m.diffusion_model = torch.nn.Linear(2, 2)
+    m.model_sampling = ModelSamplingDiscrete()
+    base = ModelPatcher(m)
+    (out,) = nodes.ToMePatch().patch(base, **fresh())
+    assert out is base and "the model passes through unchanged" in lines[-1]
