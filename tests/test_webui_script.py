@@ -21,6 +21,7 @@ from webui_stub.harness import (
 )
 
 import tome
+from tome.config import DIT_FIELDS
 from tome.webui import script_args as settings
 from tome.webui import ui
 
@@ -64,6 +65,27 @@ def test_controls_follow_the_documented_order_and_types(webui):
     assert s.controls[settings.ARGS.index("policy")].choices == [("fixed",) * 2, ("auto",) * 2]
     assert len(s.infotext_fields) == len(settings.ARGS)
     assert all(callable(key) for _, key in s.infotext_fields)
+
+
+def test_dit_settings_sit_in_their_own_group_with_a_line_on_when_they_matter(webui):
+    def inside(block):
+        for child in getattr(block, "children", []):
+            yield child
+            yield from inside(child)
+
+    def group(label, tab="txt2img"):
+        (found,) = [b for b in webui.blocks.blocks.values() if isinstance(b, gr.Accordion)
+                    and b.label == label and any(f"_{tab}_" in (getattr(c, "elem_id", "") or "")
+                                                 for c in inside(b))]
+        return list(inside(found))
+
+    for tab in ("txt2img", "img2img"):
+        dit = group(ui.DIT_GROUP, tab)
+        assert {c.elem_id for c in dit if getattr(c, "elem_id", None)} == {
+            f"script_{tab}_tome_{n}" for n in DIT_FIELDS}
+        assert [c.value for c in dit if isinstance(c, gr.Markdown)] == [ui.DIT_NOTE]
+        unet = {c.elem_id for c in group("Advanced", tab) if getattr(c, "elem_id", None)}
+        assert unet and not unet & {f"script_{tab}_tome_{n}" for n in DIT_FIELDS}
 
 
 def test_ratio_maximum_follows_the_stride(webui):

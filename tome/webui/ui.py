@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from .. import methods
-from ..config import FIELDS, PRESETS, choices, preset, ratio_limit
+from ..config import DIT_FIELDS, FIELDS, PRESETS, choices, preset, ratio_limit
 from . import infotext, settings_tab
 from .script_args import (
     ARGS,
@@ -26,6 +26,10 @@ from .script_args import (
 )
 
 _DEFAULTS = control_values(DEFAULT)  # the controls' defaults: the library's, policy auto
+# The settings only a DiT reads, in a group of their own with the line that says so.
+DIT_GROUP = "Advanced (DiT)"
+DIT_NOTE = ("Only for DiTs (Flux, SD3, Qwen-Image, Wan, HunyuanVideo) with method downsample; "
+            "SD1.x, SD2.x and SDXL ignore them. The Quality and Fast presets set them.")
 
 
 def _preset_summary(key: str) -> str:
@@ -129,12 +133,20 @@ def build(script: Any, is_img2img: bool, default_ratio: float | None = None) -> 
             with gr.Row():
                 radio("matching")
                 radio("share")
-            with gr.Row():  # DiTs (Flux, SD3) only
+            later = [name for name in LATER if name not in DIT_FIELDS]
+            if later:
+                with gr.Row():  # fields added later, each as its metadata says
+                    for name in later:
+                        control(name)
+        with gr.Accordion(DIT_GROUP, open=False):
+            gr.Markdown(DIT_NOTE)
+            with gr.Row():
                 radio("rope")
                 textbox("blocks")
-            with gr.Row():  # fields added later, each as its metadata says
+            with gr.Row():
                 for name in LATER:
-                    control(name)
+                    if name in DIT_FIELDS:
+                        control(name)
         if not settings_tab.html_options():  # SD.Next: Settings shows no button
             _measure_now_here()
 
