@@ -351,8 +351,8 @@ class DitPool(methods.Downsample):
 
     self_attention_only = False
     # The settings that change a pooled block's cost beyond the method's own: part of the
-    # measurement cache key (``measurements.key_config``).
-    key_fields = ("rope", "blocks", "proportional", "schedule")
+    # measurement cache key (``measurements.key_config``; reuse: its refresh share is timed).
+    key_fields = ("rope", "blocks", "proportional", "schedule", "reuse")
     # The auto policy's fallback where nothing is measured: image tokens from which pooling
     # pays. CPU: `make bench-dit` (docs/speed.md#dits-flux-sd3; Flux and SD3 shapes, bf16, one
     # thread) paid by 5% from 576 tokens (384 px) and clearly (1.11x, 1.21x) at 1024 (512 px).

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import dit, dits, policy
+from . import dit, dits, memory, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Block, Layout
@@ -52,6 +52,7 @@ class _State:
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
         self.reuse = _attend.Reuse(config.reuse)
+        self.budget: memory.ReuseBudget | None = None  # what reuse may keep (``apply``)
         self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
 
@@ -100,6 +101,8 @@ class _Hooks:
                 tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
                 st.p = 1.0 - tv / _plan.NUM_TRAIN_TIMESTEPS
                 st.reuse.begin(st.p, x.shape[0], tuple(size))
+                if st.budget is not None:  # what reuse will keep, checked before it keeps it
+                    st.schedule = st.budget.begin(x, size, st.text, st.p)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plan = None
@@ -247,24 +250,46 @@ class _Fixed:
     """A plan source (``attend.Source``) for one measured run: ``plan`` for every block, no
     reuse."""
 
-    def __init__(self, plan: Any, text: int):
-        self.plan, self.text, self.p, self.reuse = plan, text, None, _attend.Reuse(0)
+    def __init__(self, plan: Any, text: int, reuse: Any = None):
+        self.plan, self.text, self.p = plan, text, None
+        self.reuse = reuse if reuse is not None else _attend.Reuse(0)
 
     def plan_for(self, index: int, kind: str) -> Any:
         return self.plan
 
 
-def runner(layout: Layout):
+class _Refresh:
+    """What a pooled step costs with residual reuse every ``every`` steps, in one timed run
+    (``runner``; stands in for ``attend.Reuse`` in ``_Fixed``): the pooled output plus a
+    residual and its slope (the steps between refreshes; the output itself stands in for
+    them: the same reads, nothing kept between runs), and the refresh's share: the unpooled
+    attention, through the block's own kernel, on 1/``every`` of the queries against all
+    keys (``full(rows)``)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
+               span: Any = None) -> torch.Tensor:
+        full(-(-out.shape[dim] // self.every))
+        return out + out + out * float(self.every - 1)
+
+
+def runner(layout: Layout, reuse: int = 0):
     """``run_block(block, x, context, planner, plan)`` for ``measure``: one DiT block on image
     tokens ``x`` with the inputs its family draws for it (``Family.inputs``: a text of the
     family's length, a time embedding, positions), pooled by ``plan`` (None: unpooled),
-    through the same wrapper a patched block runs; the block is restored."""
+    through the same wrapper a patched block runs; the block is restored. ``reuse`` (the
+    settings' N): a pooled run also costs what reuse adds per step (``_Refresh``), so the
+    auto policy weighs what the generation will run."""
     family = dits.of(layout)
+    refresh = _Refresh(reuse) if reuse else None
 
     def run_block(block: nn.Module, x: torch.Tensor, context: Any, planner: _plan.Planner,
                   plan: Any) -> Any:
         args, kwargs = family.inputs(layout, x, planner.size)
-        wrapped = _wrap(block, family, _Fixed(plan, layout.dit.text_tokens))
+        source = _Fixed(plan, layout.dit.text_tokens, refresh if plan is not None else None)
+        wrapped = _wrap(block, family, source)
         try:
             return block(*args, **kwargs)
         finally:
@@ -300,13 +325,15 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         report.levels[d.patch] = report.levels.get(d.patch, 0) + 1
     if not targets:  # every named block skipped (``report.nothing`` says why)
         return report
-    measured = measurer.for_model(model, config, runner(layout)) if measurer is not None \
-        else None
+    measured = measurer.for_model(model, config, runner(layout, config.reuse)) \
+        if measurer is not None else None
     lo, hi = schedule.window()  # the planner lets in the steps where any block pools
     report.planner = _plan.Planner(config.replace(start=lo, end=hi), d.patch, measured,
                                    sorted(report.levels), method=method)
     state = _State(config, report, layout)
     state.reuse.order = tuple(i for i, _ in targets)
+    if config.reuse:
+        state.budget = memory.ReuseBudget(layout, config, state.reuse.order, state.reuse, report)
     hooks = state.hooks = _Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))

@@ -46,6 +46,9 @@ class PatchReport:
     rope: bool = False  # a DiT with rotary positions (the ``rope`` option applies)
     # What the model is to the library (``Layout.facts``): its words for the blocks covered.
     facts: Any = field(default=None, repr=False, compare=False)
+    # What residual reuse keeps, once a generation has decided it (``memory.ReuseBudget``):
+    # ``reuse keeps 3.0 GiB (residual + slope)``, ``reuse off (not enough memory)``.
+    memory: str | None = None
 
     @classmethod
     def of(cls, layout: Any, config: ToMeConfig, adapter: str, **more: Any) -> PatchReport:
@@ -127,6 +130,8 @@ class PatchReport:
         text = (f"ToMe: {self.family} {self.kind}, "
                 f"{what or methods.get(self.config.method).describe(self.config)}"
                 f"; {self.coverage()}")
+        if self.memory:
+            text += f"; {self.memory}"
         if self.skipped:
             text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
         return text
