@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from models import randomised
+from models import randomised, snapshot
 from stubs import compiles_like_eager, fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -232,6 +233,27 @@ def test_blocks_setting_picks_the_blocks(flux):
         tome.remove_patch(flux)
 
 
+@pytest.mark.parametrize("settings, named", [
+    ({"blocks": "9-12"}, "blocks='9-12'"),
+    ({"schedule": "7:4,single:2@0.5-1", "blocks": "double"}, "schedule='7:4,single:2@0.5-1'"),
+])
+def test_settings_naming_no_block_install_nothing_and_say_so(sd3, settings, named):
+    """SD3 has two joint blocks: ``9-12`` or a schedule of block 7 and single-stream blocks
+    names none of them. As settings that change nothing: no patch, the model bit-identical
+    (an earlier patch removed), and the report and warning say why."""
+    ref, before = run(sd3, sd3_inputs()), snapshot(sd3)
+    tome.apply_patch(sd3, method="downsample")  # an earlier patch: replaced
+    expected = f"ToMe: {named} names no block of this DiT (it has blocks 0-1, double-stream " \
+               "first); nothing is pooled"
+    with pytest.warns(UserWarning, match=re.escape(expected)):
+        tome.apply_patch(sd3, method="downsample", **settings)
+    assert not tome.is_patched(sd3) and snapshot(sd3) == before
+    assert torch.equal(run(sd3, sd3_inputs()), ref)
+    report = processors.apply(sd3, layout.read(sd3), ToMeConfig(method="downsample", **settings))
+    assert report.nothing == expected and not tome.is_patched(sd3)
+    assert snapshot(sd3) == before
+
+
 def test_steps_outside_the_window_run_the_original_processors(flux):
     late, early = flux_inputs(t=0.2), flux_inputs(t=0.9)  # Flux timesteps: 1 = noisiest
     refs = run(flux, late), run(flux, early)
@@ -266,8 +288,7 @@ def test_merge_has_no_dit_form_and_other_dits_are_named():
         pooled_projection_dim=8, out_channels=4, pos_embed_max_size=16)
     with pytest.warns(UserWarning, match="merge has no DiT form"):
         tome.apply_patch(model, ratio=0.5)
-    assert tome.patch_report(model).nothing
-    tome.remove_patch(model)
+    assert not tome.is_patched(model)  # nothing installed, as for settings that change nothing
 
     class QwenLike(torch.nn.Module):
         def __init__(self):

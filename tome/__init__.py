@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 from . import adapters as _adapters
+from . import config as _config
 from . import patch as _patch
 from .config import PRESETS, ToMeConfig, preset
 from .layout import UnsupportedModelError, find_unet
@@ -57,9 +58,14 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     ``tome.measurements.default_cache_path``). ``False``: the device kind's token thresholds
     decide. A ``tome.measurements.Measurer`` sets where results go.
 
-    Patching again replaces the previous patch (ours or tomesd's). Bad settings raise
-    ``ValueError`` and an unsupported model ``UnsupportedModelError`` before anything changes.
+    Patching again replaces the previous patch (ours or tomesd's). Bad settings (a mistyped
+    keyword too) raise ``ValueError`` and an unsupported model ``UnsupportedModelError``
+    before anything changes.
     """
+    _config.check_names(extra, [*_config.FIELDS, "config", "measure"])
+    if config is not None and not isinstance(config, ToMeConfig):
+        raise ValueError(f"ToMe: invalid config={_config.shown(config)}: must be a ToMeConfig "
+                         "(tome.preset(name) or tome.ToMeConfig(...))")
     if config is None:
         config = ToMeConfig(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy,
                             use_rand=use_rand, merge_attn=merge_attn,

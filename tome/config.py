@@ -8,6 +8,7 @@ drift apart.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,17 +85,17 @@ class ToMeConfig:
         "Method", "ToMe method",
         "merge: ToMe (merge similar tokens, unmerge after). downsample: ToDo (queries keep every "
         "token, keys and values are pooled by the downsample factor; no unmerge). On DiTs "
-        "(Flux, SD3) only downsample applies: the image tokens' keys and values are pooled.",
+        "only downsample applies: the image tokens' keys and values are pooled.",
         choices=methods.REGISTRY.keys()))  # a live view: registered methods join it
     downsample_factor: int = field(default=2, metadata=_meta(
         "Downsample factor", "ToMe downsample factor",
         "Pooling factor per side for the downsample method (2 = 4x fewer keys/values).",
-        minimum=1, maximum=MAX_STRIDE, step=1))
+        minimum=1, maximum=dit.MAX_FACTOR, step=1))
     rope: str = field(default="pooled", metadata=_meta(
         "DiT RoPE", "ToMe rope",
-        "DiTs with rotary positions (Flux): pooled: keys and positions are pooled, each pooled "
-        "key gets its cell's mean position; before: keys are rotated by their own positions, "
-        "then pooled.", choices=dit.ROPES))
+        "DiTs with rotary positions (Flux, Qwen-Image, Wan, HunyuanVideo; SD3 has none): "
+        "pooled: keys and positions are pooled, each pooled key gets its cell's mean position; "
+        "before: keys are rotated by their own positions, then pooled.", choices=dit.ROPES))
     blocks: str = field(default="all", metadata=_meta(
         "DiT blocks", "ToMe blocks",
         "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks "
@@ -149,12 +150,14 @@ class ToMeConfig:
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:
-            raise ValueError(f"ToMe: invalid {name}={getattr(self, name)!r}: {msg}")
+            raise ValueError(f"ToMe: invalid {name}={shown(getattr(self, name))}: {msg}")
 
-        for name in ("sx", "sy", "downsample_factor"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                fail(name, "must be a positive integer")
+        for f in dataclasses.fields(self):  # types first: the checks below compare values
+            v = getattr(self, f.name)
+            if isinstance(f.default, str) and not isinstance(v, str):
+                fail(f.name, "must be a string")
+            if "maximum" in f.metadata and not in_range(f, v):
+                fail(f.name, f"must be {range_text(f)}")  # the range UIs and nodes show
         if self.method not in methods.REGISTRY:
             fail("method", f"must be one of {methods.names()}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
@@ -164,7 +167,9 @@ class ToMeConfig:
         if problem:
             fail(*problem)
         check_ratio("ratio", self.ratio, self.sx, self.sy)
-        if self.max_downsample is not None and self.max_downsample not in MAX_DOWNSAMPLES:
+        if self.max_downsample is not None and (isinstance(self.max_downsample, bool) or not
+                                                isinstance(self.max_downsample, int) or
+                                                self.max_downsample not in MAX_DOWNSAMPLES):
             fail("max_downsample", f"must be one of {MAX_DOWNSAMPLES} or None (auto)")
         if self.rope not in dit.ROPES:
             fail("rope", f"must be one of {dit.ROPES}")
@@ -178,25 +183,17 @@ class ToMeConfig:
             fail("share", f"must be one of {SHARES}")
         if self.policy not in POLICIES:
             fail("policy", f"must be one of {POLICIES}")
-        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "proportional"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
-        for name in ("start", "end"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                fail(name, "must be a number in [0, 1]")
         if self.start > self.end:
             fail("start", f"must not be after end={self.end}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             fail("seed", "must be an integer")
-        if not isinstance(self.proportional, bool):
-            fail("proportional", "must be a boolean")
         try:
             dit.Schedule.parse(self.schedule)
         except ValueError as e:
             fail("schedule", str(e))
-        if isinstance(self.reuse, bool) or not isinstance(self.reuse, int) or self.reuse < 0:
-            fail("reuse", "must be a non-negative integer")
 
     @property
     def max_ratio(self) -> float:
@@ -208,6 +205,7 @@ class ToMeConfig:
         return self.start < self.end and methods.REGISTRY[self.method].active(self)
 
     def replace(self, **changes: Any) -> ToMeConfig:
+        check_names(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -218,16 +216,64 @@ class ToMeConfig:
         keys keep ``base``'s values (the defaults when ``base`` is None).
         """
         base = base or cls()
-        known = FIELDS
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"ToMe: unknown setting(s) {unknown}; known: {sorted(known)}")
-        values = {k: coerce(known[k], v) for k, v in data.items()}
+        check_names(data)
+        values = {k: coerce(FIELDS[k], v) for k, v in data.items()}
         return dataclasses.replace(base, **values)
 
 
 #: Every setting's field (name -> ``dataclasses.Field``): its metadata drives UI, API, infotext.
 FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(ToMeConfig)}
+
+
+def unknown_names(names: Any, known: Any = None) -> str | None:
+    """The error for the names in ``names`` that are not settings (``known``: FIELDS), each
+    with the closest known name where one is close (``ratoi``: ``ratio``); None if all are."""
+    known = sorted(FIELDS if known is None else known)
+    unknown = sorted((n for n in names if n not in known), key=str)
+    if not unknown:
+        return None
+    close = {n: m[0] for n in unknown if (m := difflib.get_close_matches(str(n), known, 1))}
+    if len(unknown) == 1 and close:
+        hint = f" (did you mean {close[unknown[0]]!r}?)"
+    elif close:
+        hint = " (did you mean " + ", ".join(f"{m!r} for {n!r}" for n, m in close.items()) + "?)"
+    else:
+        hint = ""
+    return f"ToMe: unknown setting(s) {unknown}{hint}; known: {known}"
+
+
+def check_names(names: Any, known: Any = None) -> None:
+    """Raise ``unknown_names``' ``ValueError`` (not Python's ``TypeError`` for a keyword):
+    a mistyped setting is a bad setting like any other."""
+    problem = unknown_names(names, known)
+    if problem:
+        raise ValueError(problem)
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error quotes what it refuses, not a
+    megabyte of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def in_range(f: dataclasses.Field, value: Any) -> bool:
+    """Whether ``value`` is of the field's kind (an integer, or a finite number) and within
+    its metadata's ``minimum``-``maximum``: the one range check, on the range UIs show."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(f.default, int) and not isinstance(value, int):
+        return False
+    return math.isfinite(value) and f.metadata["minimum"] <= value <= f.metadata["maximum"]
+
+
+def range_text(f: dataclasses.Field) -> str:
+    """``a positive integer in [1, 8]``, ``a number in [0, 1]``: the field's metadata range."""
+    lo, hi = f.metadata["minimum"], f.metadata["maximum"]
+    if not isinstance(f.default, int):
+        return f"a number in [{lo:g}, {hi:g}]"
+    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, "an integer")
+    return f"{kind} in [{lo}, {hi}]"
 
 
 def choices(name: str) -> tuple:
@@ -286,10 +332,8 @@ def describe(f: dataclasses.Field) -> str:
         return "true or false"
     if f.name.endswith("ratio"):  # ratio, and the WebUI's hr_ratio and img2img_ratio
         return f"a number in [0, {RATIO_RULE}]"
-    if "minimum" in m:
-        hi = m.get("maximum", "max")
-        kind = "an integer" if isinstance(f.default, int) else "a number"
-        return f"{kind} in [{m['minimum']}, {hi}]"
+    if "maximum" in m:
+        return range_text(f)
     return type(f.default).__name__
 
 
@@ -333,6 +377,7 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
     key = str(name).strip().lower()
     if key not in PRESETS:
         raise ValueError(f"ToMe: unknown preset {name!r}; known: {sorted(PRESETS)}")
+    check_names(changes)
     return ToMeConfig(**{**PRESETS[key], **changes})
 
 

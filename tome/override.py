@@ -327,9 +327,8 @@ class OverridePatch:
         report = PatchReport.of(layout, self.applied, adapter, max_downsample=p,
                                 levels={p: len(self.chosen)} if self.chosen and
                                 self.planner.method else {})
-        if report.unmergeable is None and not self.chosen:
-            report.unmergeable = (f"ToMe: blocks={self.applied.blocks!r} names no block of this "
-                                  f"DiT (it has {len(layout.blocks)}, double-stream first)")
+        if report.unmergeable is None and not self.chosen:  # named, but each at x1
+            report.unmergeable = "ToMe: these settings change nothing (every block at x1)"
         report.skipped, report.planner = self.skipped, self.planner
         self.report = report
         return report

@@ -426,9 +426,8 @@ def patch_dit(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig
     p, chosen = layout.dit.patch, patch.chosen
     report = PatchReport.of(layout, config, ATTN1_PATCH, max_downsample=p,
                             levels={p: len(chosen)} if chosen and patch.method else {})
-    if report.unmergeable is None and not chosen:
-        report.unmergeable = (f"ToMe: blocks={config.blocks!r} names no block of this DiT (it "
-                              f"has {len(layout.blocks)}, double-stream first)")
+    if report.unmergeable is None and not chosen:  # the schedule this form applies names none
+        report.unmergeable = layout.unmergeable(patch.applied)
     if report.nothing:
         return unet_patcher, report
     unet = unet_patcher.clone()

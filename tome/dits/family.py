@@ -66,8 +66,18 @@ class Dit:
         return dit.method_for(config)
 
     def unmergeable(self, layout: Any, config: Any) -> str | None:
-        """Why ``config`` pools nothing here: a method without a DiT form."""
-        return None if dit.method_for(config) is not None else dit.no_form(config, layout.family)
+        """Why ``config`` pools nothing here: a method without a DiT form, or a ``blocks`` or
+        ``schedule`` setting that names none of this DiT's blocks (every adapter then installs
+        nothing, as for other settings that change nothing)."""
+        if dit.method_for(config) is None:
+            return dit.no_form(config, layout.family)
+        schedule, n = dit.schedule_of(config), len(layout.blocks)
+        if any(schedule.factor(i, b.kind, n, None) for i, b in enumerate(layout.blocks)):
+            return None
+        named = f"schedule={config.schedule!r}" if config.schedule else \
+            f"blocks={config.blocks!r}"
+        has = f"blocks 0-{n - 1}, double-stream first" if n else "no blocks"
+        return f"ToMe: {named} names no block of this DiT (it has {has}); nothing is pooled"
 
     def timed(self, layout: Any, config: Any, levels: Iterable[int] | None
               ) -> dict[int, list[list[nn.Module]]]:

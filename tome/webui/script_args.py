@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from ..config import FIELDS, PRESETS, ToMeConfig, check_ratio, coerce, preset
+from ..config import FIELDS, PRESETS, ToMeConfig, check_ratio, coerce, preset, unknown_names
 
 # Set by the X/Y/Z plot's ToMe axes on a cell's copy of ``p``: {setting: value}.
 XYZ_ATTR = "_tome_xyz"
@@ -160,10 +160,10 @@ def preset_label(key: str | None) -> str:
 
 def from_dict(data: Mapping[str, Any]) -> ScriptSettings:
     """Settings from named values; missing keys take the preset's values, else ``DEFAULT``'s."""
-    unknown = sorted(set(data) - set(KEYS))
-    if unknown:
-        hint = " (the seed is the image seed)" if "seed" in unknown else ""
-        raise ValueError(f"ToMe: unknown setting(s) {unknown}{hint}; known: {list(KEYS)}")
+    problem = unknown_names(data, KEYS)
+    if problem:
+        hint = "; the seed is the image seed" if "seed" in data else ""
+        raise ValueError(problem + hint)
     if not to_bool("enabled", data.get("enabled", False)):
         # A disabled extension must never fail a generation, whatever else was sent.
         return ScriptSettings()
