@@ -27,7 +27,9 @@ pools pairs (or more) of frames too, for measuring whether that keeps the video.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from typing import Any
 
 import torch
@@ -37,6 +39,12 @@ from . import merge, methods
 
 ROPES = ("before", "pooled")
 BLOCKS_HELP = "all, double (double-stream / joint blocks only) or a range of block indices 'a-b'"
+#: The largest pooling factor per side (a schedule item's, and ``downsample_factor``'s).
+MAX_FACTOR = 8
+#: The most items a schedule may have: a DiT has at most a few dozen blocks, and every pooled
+#: block reads the items at every call where windows differ.
+MAX_ITEMS = 64
+_RANGE = re.compile(r"([0-9]{1,4})(?:-([0-9]{1,4}))?")  # block indices: ASCII digits
 
 
 # ----------------------------------------------------------------------------- pooling
@@ -234,11 +242,9 @@ def parse_blocks(text: str) -> tuple[str, int, int]:
     t = str(text).strip().lower().replace(" ", "")
     if t in ("all", "double"):
         return t, 0, 0
-    a, sep, b = t.partition("-")
-    if sep and a.isdigit() and b.isdigit() and int(a) <= int(b):
-        return "range", int(a), int(b)
-    if not sep and t.isdigit():
-        return "range", int(t), int(t)
+    m = _RANGE.fullmatch(t)
+    if m and int(m[1]) <= int(m[2] or m[1]):
+        return "range", int(m[1]), int(m[2] or m[1])
     raise ValueError(f"must be {BLOCKS_HELP}")
 
 
@@ -283,24 +289,10 @@ class Schedule:
     def parse(cls, text: str, factor: int = 2, start: float = 0.0, end: float = 1.0,
               blocks: str = "all") -> Schedule:
         """From the ``schedule`` setting; empty: ``factor`` in ``blocks`` over
-        ``start``-``end`` (the settings before schedules). Raises ``ValueError``."""
-        t = str(text).strip().lower().replace(" ", "")
-        if not t:
-            return cls(((parse_blocks(blocks), factor, start, end),), "")
-        items = []
-        for part in t.split(","):
-            sel, _, window = part.partition("@")
-            sel, _, f = sel.partition(":")
-            try:
-                lo, hi = (float(v) for v in window.split("-")) if window else (start, end)
-                fac = int(f) if f else factor
-            except ValueError:
-                raise ValueError(f"{part!r}: must be {SCHEDULE_HELP}") from None
-            if not (0 <= lo <= hi <= 1 and 1 <= fac <= 8):
-                raise ValueError(f"{part!r}: factor 1-8, window within 0-1 (start <= end)")
-            which = (sel, 0, 0) if sel in _SELECTORS else parse_blocks(sel)
-            items.append((which, fac, lo, hi))
-        return cls(tuple(items), t)
+        ``start``-``end`` (the settings before schedules). Raises ``ValueError``. Parsed once
+        per setting (cached): a config, its patch and its report share the result."""
+        return _parse(str(text).strip().lower().replace(" ", ""), factor, start, end,
+                      str(blocks))
 
     def factor(self, index: int, kind: str, count: int, p: float | None) -> int:
         """The factor of block ``index`` of ``count`` (``kind``: double/single) at progress
@@ -334,6 +326,30 @@ class Schedule:
     def varies(self) -> bool:
         """Whether blocks need the call's progress (items with different windows)."""
         return len({(lo, hi) for _, _, lo, hi in self.items}) > 1
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(t: str, factor: int, start: float, end: float, blocks: str) -> Schedule:
+    """``Schedule.parse`` of a normalised text (a Schedule is immutable: shared)."""
+    if not t:
+        return Schedule(((parse_blocks(blocks), factor, start, end),), "")
+    if t.count(",") >= MAX_ITEMS:
+        raise ValueError(f"{t.count(',') + 1} items: at most {MAX_ITEMS} ({SCHEDULE_HELP})")
+    items = []
+    for part in t.split(","):
+        sel, _, window = part.partition("@")
+        sel, _, f = sel.partition(":")
+        try:
+            lo, hi = (float(v) for v in window.split("-")) if window else (start, end)
+            fac = int(f) if f else factor
+        except ValueError:
+            raise ValueError(f"{part!r}: must be {SCHEDULE_HELP}") from None
+        if not (0 <= lo <= hi <= 1 and 1 <= fac <= MAX_FACTOR):
+            raise ValueError(f"{part!r}: factor 1-{MAX_FACTOR}, window within 0-1 "
+                             "(start <= end)")
+        which = (sel, 0, 0) if sel in _SELECTORS else parse_blocks(sel)
+        items.append((which, fac, lo, hi))
+    return Schedule(tuple(items), t)
 
 
 def schedule_of(config: Any) -> Schedule:
