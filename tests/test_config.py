@@ -117,6 +117,28 @@ def test_a_mistyped_setting_is_a_value_error_naming_it_and_the_close_name(unet):
         ToMeConfig.from_dict({"zzz": 1})
 
 
+def test_tomesd_arguments_beside_a_config_are_applied_or_refused_never_ignored(unet):
+    x, t, c = ldm_inputs()
+    before, ref = snapshot(unet), run(unet, x, t, c)
+    with pytest.raises(ValueError, match=r"sx=1000000: must be a positive integer in \[1, 8\]"):
+        tome.apply_patch(unet, sx=10**6, config=ToMeConfig())
+    with pytest.raises(ValueError, match=r"ratio=0.9: must be in \[0, 0.75\]"):
+        tome.apply_patch(unet, 0.9, config=ToMeConfig())
+    assert not tome.is_patched(unet) and snapshot(unet) == before
+    assert torch.equal(run(unet, x, t, c), ref)
+    tome.apply_patch(unet, 0.3, max_downsample=2, config=ToMeConfig(seed=4), use_rand=False)
+    try:
+        assert tome.patch_report(unet).config == ToMeConfig(ratio=0.3, max_downsample=2, seed=4,
+                                                            use_rand=False)
+    finally:
+        tome.remove_patch(unet)
+    tome.apply_patch(unet, config=ToMeConfig(ratio=0.2, sx=4))  # defaults beside it: its own
+    try:
+        assert tome.patch_report(unet).config == ToMeConfig(ratio=0.2, sx=4)
+    finally:
+        tome.remove_patch(unet)
+
+
 def test_a_bad_value_leaves_a_previous_patch_as_it_was(unet):
     x, t, c = ldm_inputs()
     tome.apply_patch(unet, ratio=0.5)

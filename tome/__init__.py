@@ -13,6 +13,7 @@ Qwen-Image, Wan, HunyuanVideo).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -50,7 +51,8 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     level and call, the default; "block": tomesd's per-block matching), ``policy`` ("fixed",
     the default, or "auto": merge a level only where it pays on the device), ``start``,
     ``end``. Pass ``config`` (e.g. ``tome.preset("balanced")``) to use a prepared
-    ``ToMeConfig`` instead of keywords.
+    ``ToMeConfig``; keywords given beside it (tomesd's that differ from their defaults, and
+    any other) replace its fields, never silently ignored.
 
     ``measure`` (``auto`` policy only): at the first call of each latent size (in eager mode,
     never inside a compiled graph), time each level merged and unmerged on the model's own
@@ -66,12 +68,15 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     if config is not None and not isinstance(config, ToMeConfig):
         raise ValueError(f"ToMe: invalid config={_config.shown(config)}: must be a ToMeConfig "
                          "(tome.preset(name) or tome.ToMeConfig(...))")
+    tomesd = dict(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand,
+                  merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp)
     if config is None:
-        config = ToMeConfig(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy,
-                            use_rand=use_rand, merge_attn=merge_attn,
-                            merge_crossattn=merge_crossattn, merge_mlp=merge_mlp, **extra)
-    elif extra:
-        config = config.replace(**extra)
+        config = ToMeConfig(**tomesd, **extra)
+    else:  # tomesd's arguments given with ``config``: those that are not their defaults
+        given = {k: v for k, v in tomesd.items() if not (type(v) is type(_TOMESD[k]) and
+                                                         v == _TOMESD[k])}
+        if given or extra:
+            config = config.replace(**given, **extra)
     measurer = None
     if config.policy == "auto" and measure is not False:
         from .measurements import Measurer
@@ -87,6 +92,11 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     if report.unmergeable:
         warnings.warn(report.unmergeable, stacklevel=2)
     return model
+
+
+# tomesd's arguments of ``apply_patch`` and their defaults.
+_TOMESD = {name: p.default for name, p in inspect.signature(apply_patch).parameters.items()
+           if p.kind is p.POSITIONAL_OR_KEYWORD and name != "model"}
 
 
 def remove_patch(model: Any) -> Any:
