@@ -90,8 +90,101 @@ def test_stops_early_only_when_the_decision_is_clear(sd15):
     assert near.calls == 15 and [r.level for r in m.rows if M.decide(r)] == [8]
     mixed = FakeClock([20 * ms, 0.0, 10 * ms, 9 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms,
                        20 * ms, 0.0, 10 * ms, 20 * ms, 0.0, 10 * ms])
-    measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8])
+    measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=mixed, levels=[8],
+            retakes=0)
     assert mixed.calls == 15  # one slow round keeps it going
+
+
+# ----------------------------------------------------------------------------- noisy rounds
+
+# A busy machine near the margin: the rounds alternate 1.15x and 0.96x (unmerged 11.5 ms, merged
+# 10 or 12 ms). The fastest of each phase says 1.15x, merged; six fresh readings of one size
+# under load gave 0.80x to 1.60x: rounds that disagree about the decision are a coin flip.
+NOISY = [11.5e-3, 0.0, 10e-3, 11.5e-3, 0.0, 12e-3]
+
+
+def test_a_noisy_reading_near_the_margin_is_taken_again_then_uncertain(sd15):
+    """Rounds on both sides of the 1.05x line: the level is timed again (``retakes`` times),
+    and still disagreeing it is uncertain: not merged, its spread kept (the rounds of every
+    take)."""
+    noisy = FakeClock(NOISY * 8)
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=noisy, levels=[8],
+                retakes=2)
+    assert noisy.calls == 3 * 5 * 3  # three takes of five rounds (none is clear)
+    (r,) = m.rows
+    assert r.uncertain() and not M.decide(r)
+    assert r.speedup == pytest.approx(1.15)  # what was merged before
+    assert r.low == pytest.approx(11.5 / 12) and r.high == pytest.approx(1.15)
+    assert r.verdict() == "uncertain (rounds 0.96x to 1.15x), not merged"
+    # once is enough where the noise passes: a clean re-take is the row, alone
+    passing = FakeClock(NOISY * 2 + NOISY[:3] + [12e-3, 0.0, 10e-3] * 5)
+    m = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=passing, levels=[8])
+    (r,) = m.rows
+    assert passing.calls == 5 * 3 + 3 * 3  # the re-take is clear (1.2x) after three rounds
+    assert not r.uncertain() and M.decide(r) and r.speedup == pytest.approx(1.2)
+    assert r.low == r.high == pytest.approx(1.2)
+
+
+def test_a_clean_reading_is_taken_once_and_decides_as_before(sd15):
+    """Rounds that agree (near the margin or not) are one take, decided by the margin; their
+    spread is kept, and a spread on one side of the line is certain."""
+    ms = 1e-3
+    for unmerged, merged, calls in ((10.8 * ms, True, 15), (10.2 * ms, False, 15),
+                                    (20 * ms, True, 9)):
+        clock = FakeClock([unmerged, 0.0, 10 * ms] * 5)
+        (r,) = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clock,
+                       levels=[8]).rows
+        assert clock.calls == calls and M.decide(r) is merged and not r.uncertain()
+        assert r.low == r.high == pytest.approx(unmerged / (10 * ms))
+    # rounds that differ but agree about the decision (1.08x to 1.6x) merge, as they did
+    clock = FakeClock([10.8 * ms, 0.0, 10 * ms, 16 * ms, 0.0, 10 * ms] * 3)
+    (r,) = measure(sd15, LATENT, 2, ToMeConfig(), rounds=5, warmup=0, clock=clock,
+                   levels=[8]).rows
+    assert clock.calls == 15 and M.decide(r) and r.speedup == pytest.approx(1.08)
+    assert (r.low, r.high) == (pytest.approx(1.08), pytest.approx(1.6))
+
+
+def test_the_warm_up_round_is_not_timed(sd15):
+    """On a GPU the first runs pay for lazy initialisation and kernel selection: the clock
+    first sees a phase after every phase has run once untimed, and by default (``measure``,
+    the measuring service) there is such a round."""
+    runs: list[str] = []
+
+    def runner(block, x, ctx, planner, plan):
+        runs.append("unmerged" if plan is None else "merged")
+        return run_block(block, x, ctx, planner, plan)
+
+    seen = []
+
+    def clock(phase, fn):
+        seen.append((phase, runs.count("unmerged"), runs.count("merged")))
+        fn()
+        return 1e-3 if phase != "build" else 0.0
+
+    M.measure(sd15, LATENT, 2, ToMeConfig(), runner=runner, rounds=1, clock=clock,
+              levels=[8])
+    assert runs == ["unmerged", "merged", "merged", "unmerged"]  # warm-up, one timed round
+    assert [p for p, _, _ in seen] == ["build", "merged", "unmerged"]  # the second order
+    assert seen[0][1:] == (1, 1)  # both runs done before the clock saw anything
+    assert C.Measurer().warmup >= 1
+
+
+def test_from_dict_keeps_the_spread_and_time_and_reads_a_reading_without_them():
+    m = M.Measurement("cpu", "float32", (8, 8), 1, "merge",
+                      (M.LevelTiming(1, 64, 1, 1, 2.0, 1.0, 0.9, 2.1),), "2026-11-27T11:00:00Z")
+    d = json.loads(json.dumps(m.to_dict()))
+    assert d["taken"] == "2026-11-27T11:00:00Z" and d["rows"][0]["low"] == 0.9
+    assert M.Measurement.from_dict(d) == m
+    old = {**d, "rows": [{k: v for k, v in d["rows"][0].items() if k not in ("low", "high")}]}
+    del old["taken"]
+    back = M.Measurement.from_dict(old)
+    assert back.taken is None and back.rows[0].low is None and not back.rows[0].uncertain()
+    assert back.to_dict() == old
+    for bad in ({**d, "taken": 5}, {**d, "rows": [{**d["rows"][0], "low": 3.0}]},
+                {**d, "rows": [{**old["rows"][0], "low": 1.0}]},
+                {**d, "rows": [{**d["rows"][0], "high": float("nan")}]}):
+        with pytest.raises(ValueError):
+            M.Measurement.from_dict(bad)
 
 
 def test_a_block_another_extension_took_over_stands_for_nothing(sd15):

@@ -13,6 +13,7 @@ from models import TINY_SD15, TINY_SDXL, ldm_unet
 
 from tome import measure as M
 from tome import measurements as C
+from tome import policy, survey
 from tome.config import ToMeConfig
 
 LATENT = (16, 16)
@@ -76,6 +77,20 @@ def test_cache_round_trip(tmp_path):
     assert data["format"] == "tome-measurements" and data["version"] == C.VERSION == 2
     assert data["entries"][_key().digest]["parts"]["latent"] == [16, 16]  # readable
     assert said == [] and [p.name for p in (tmp_path / "deep").iterdir()] == ["m.json"]
+
+
+def test_the_cache_keeps_the_spread_and_when(tmp_path):
+    """A reading's rounds' spread and its time go to the file and come back."""
+    row = M.LevelTiming(1, 4096, 1, 1, 2.2, 2.0, 0.96, 1.15)
+    m = M.Measurement("Test CPU", "float32", (16, 16), 2, "merge", (row,), "2026-11-27T11:00:00Z")
+    assert C.MeasurementCache(tmp_path / "m.json", say=print).put(_key(), m)
+    back = C.MeasurementCache(tmp_path / "m.json", say=print).get(_key())
+    assert back == m and back.rows[0].uncertain() and back.taken == m.taken
+    entry = json.loads((tmp_path / "m.json").read_text())["entries"][_key().digest]
+    assert entry["measurement"]["rows"][0]["low"] == 0.96
+    assert entry["measurement"]["rows"][0]["high"] == 1.15
+    assert entry["measurement"]["taken"] == "2026-11-27T11:00:00Z"
+    assert C.speedups(back)[1] == policy.LevelSpeed(1.1, "Test CPU", 0.96, 1.15)
 
 
 def _tampered_parts(path):
@@ -213,7 +228,11 @@ def test_an_old_cache_file_is_still_read_and_used(sd15, tmp_path, name):
     for latent in ((16, 24), (1, 16, 24)):
         m = service.get(model, latent, 2, cfg, runner=None)
         assert m is not None and m.rows[0].speedup == 2.0 and m.latent == (16, 24)
-    assert said == [] and C.speedups(m) == {parts["levels"][0]: (2.0, parts["device"])}
+    # no spread: read as certain (taken the way every reading was then), decided by the margin
+    assert said == [] and m.taken is None and m.rows[0].low is None
+    assert C.speedups(m) == {parts["levels"][0]: policy.LevelSpeed(2.0, parts["device"])}
+    assert policy.decide_level(ToMeConfig(policy="auto"), 2, 384, "cpu",
+                               C.speedups(m)[parts["levels"][0]]).merged
 
 
 def test_a_video_key_names_its_frames_and_an_image_key_does_not(sd15):
@@ -242,3 +261,118 @@ def test_the_measuring_lines_name_the_size(sd15, tmp_path):
     service.get(sd15, (16, 24), 1, ToMeConfig(), runner=lambda *a: None)
     assert progress == ["ToMe: measuring 192x128 px", None]
     assert said[0].startswith("ToMe: measured 192x128 px, batch 1, merge, on ")
+
+
+# ----------------------------------------------------------------------------- a bad reading
+
+def _noisy(calls=None):
+    """Rounds alternating 1.15x and 0.96x (merged 10 or 12 ms): a busy machine at the margin."""
+    def clock(phase, fn):
+        if calls is not None:
+            calls.append(phase)
+        n = sum(1 for c in (calls or []) if c == "merged")
+        return {"unmerged": 11.5e-3, "build": 0.0, "merged": 10e-3 if n % 2 else 12e-3}[phase]
+    return clock
+
+
+def test_an_uncertain_reading_says_so_and_does_not_merge(sd15, tmp_path):
+    """The console line and the policy's reason (the infotext's ``ToMe auto``) name the
+    spread; the planner's decision does not merge."""
+    said, calls = [], []
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json", say=said.append),
+                         say=said.append, rounds=4, warmup=0, clock=_noisy(calls))
+    m = service.get(sd15, LATENT, 2, ToMeConfig(), runner=lambda *a: None)
+    assert len(calls) == 3 * 4 * 3  # re-taken twice
+    assert said[0].endswith(": ds1 1.15x uncertain (rounds 0.96x to 1.15x), not merged")
+    (d,) = policy.decide(ToMeConfig(policy="auto"), LATENT, [1], "cpu", C.speedups(m))
+    assert not d.merged and d.reason.endswith(
+        ", uncertain (rounds 0.96x to 1.15x), not merged")
+    assert "uncertain (rounds 0.96x to 1.15x)" in policy.summary([d], LATENT)
+    rows = survey.Survey([m]).rows()
+    assert rows[0][-2:] == ("1.15x (0.96-1.15x)", "uncertain")
+    # the cache keeps it uncertain: a fresh service reads it, measures nothing
+    again = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), say=said.append,
+                       clock=lambda phase, fn: pytest.fail("measured again"))
+    assert again.get(sd15, LATENT, 2, ToMeConfig(), runner=None) == m
+
+
+def test_forget_drops_exactly_the_size(sd15, tmp_path):
+    """``forget``: this model, size, batch and config leave memory and the file; every other
+    reading stays, and the next ``get`` measures the forgotten one again."""
+    path, calls = tmp_path / "m.json", []
+    service = C.Measurer(C.MeasurementCache(path), say=lambda line: None, rounds=1, warmup=0,
+                         clock=lambda phase, fn: calls.append(phase) or 1.0)
+    run, cfg = (lambda *a: None), ToMeConfig()
+    readings = [(LATENT, 2, cfg), ((16, 24), 2, cfg), (LATENT, 1, cfg),
+                (LATENT, 2, cfg.replace(ratio=0.3))]
+    for latent, batch, c in readings:
+        service.get(sd15, latent, batch, c, runner=run)
+    digests = set(json.loads(path.read_text())["entries"])
+    assert len(digests) == 4 and len(calls) == 4 * 3
+    assert service.forget(sd15, (1, *LATENT), 2, cfg.replace(seed=9))  # same reading
+    gone = C.cache_key(sd15, LATENT, 2, cfg).digest
+    assert set(json.loads(path.read_text())["entries"]) == digests - {gone}
+    assert gone not in service.results and gone not in service.seen.values()
+    assert not service.forget(sd15, LATENT, 2, cfg)  # nothing left to drop
+    for latent, batch, c in readings:
+        service.get(sd15, latent, batch, c, runner=run)
+    assert len(calls) == 5 * 3  # only the forgotten one measured again
+    assert set(json.loads(path.read_text())["entries"]) == digests
+
+
+def test_the_survey_remeasures_what_it_shows(sd15, tmp_path):
+    """``survey(..., remeasure=True)``: the sizes it shows are measured again (the WebUI's
+    Measure now, ComfyUI's measure node); without it they are read back."""
+    from tome.patch import run_block
+    calls = []
+    service = C.Measurer(C.MeasurementCache(tmp_path / "m.json"), say=lambda line: None,
+                         rounds=1, warmup=0, clock=lambda phase, fn: calls.append(phase) or 1.0)
+    other = service.get(sd15, (24, 24), 2, ToMeConfig(), runner=run_block)
+    first = survey.survey(sd15, [128], service, run_block)
+    assert len(first.found) == 2 and len(calls) == 3 * 3  # merge and downsample at 128 px
+    assert survey.survey(sd15, [128], service, run_block).found == first.found
+    assert len(calls) == 3 * 3
+    again = survey.survey(sd15, [128], service, run_block, remeasure=True)
+    assert len(again.found) == 2 and len(calls) == 5 * 3
+    assert service.get(sd15, (24, 24), 2, ToMeConfig(), runner=None) is other
+
+
+def test_the_comfy_measure_node_remeasures_on_request(tmp_path, monkeypatch):
+    """The measure node's optional ``remeasure`` input: off, sizes already measured are read
+    back; on, they are dropped and measured again, every time it is queued."""
+    import sys
+    from pathlib import Path
+    stub = str(Path(__file__).resolve().parent / "comfy_stub")
+    if stub not in sys.path:
+        sys.path.insert(0, stub)
+    import folder_paths
+    from comfy.model_patcher import ModelPatcher
+    from comfy.model_sampling import ModelSamplingDiscrete
+    from comfy.sampling import comfy_blocks
+
+    from tome.comfy import host, nodes
+    monkeypatch.delenv("TOME_CACHE_DIR", raising=False)
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path))
+    monkeypatch.setattr(host, "_services", [])
+    monkeypatch.setattr(host, "console", lambda line: None)
+    spec = nodes.ToMeMeasure.INPUT_TYPES()
+    assert spec["optional"]["remeasure"][0] == "BOOLEAN"
+    assert spec["optional"]["remeasure"][1]["default"] is False
+    m = torch.nn.Module()
+    m.diffusion_model = comfy_blocks(ldm_unet(TINY_SD15))
+    m.model_sampling = ModelSamplingDiscrete()
+    model, calls = ModelPatcher(m), []
+    service = host.measuring_service()
+    service.rounds, service.warmup = 1, 0
+    service.clock = lambda phase, fn: calls.append(phase) or {"unmerged": 1.0, "build": 0.0,
+                                                              "merged": 0.5}[phase]
+    node = nodes.ToMeMeasure()
+    text = node.measure(model, "128")["result"][0]
+    assert "2.00x" in text and len(calls) == 2 * 3  # merge and downsample
+    node.measure(model, "128", remeasure=False)
+    assert len(calls) == 2 * 3
+    node.measure(model, "128", remeasure=True)
+    assert len(calls) == 4 * 3
+    assert nodes.ToMeMeasure.IS_CHANGED(sizes="128", remeasure=False) is False
+    changed = nodes.ToMeMeasure.IS_CHANGED(sizes="128", remeasure=True)
+    assert changed != changed  # NaN: ComfyUI runs the node every time it is queued

@@ -171,12 +171,32 @@ def test_each_reason_belongs_to_its_decision():
         (auto, policy.LevelSpeed(1.5, "CPU X"), 1024, (True, "measured 1.50x on CPU X, merged")),
         (auto, policy.LevelSpeed(1.02, "CPU X"), 65536,
          (False, "measured 1.02x on CPU X, not merged")),
+        (auto, policy.LevelSpeed(1.15, "CPU X", 0.96, 1.15), 65536,
+         (False, "measured 1.15x on CPU X, uncertain (rounds 0.96x to 1.15x), not merged")),
+        (auto, policy.LevelSpeed(1.2, "CPU X", 1.06, 1.6), 1024,
+         (True, "measured 1.20x on CPU X, merged")),
+        (auto, policy.LevelSpeed(1.02, "CPU X", 0.8, 1.04), 65536,
+         (False, "measured 1.02x on CPU X, not merged")),
+        (auto, (1.5, "CPU X"), 1024, (True, "measured 1.50x on CPU X, merged")),
         (auto, None, 4096, (True, "4096 tokens, at or above the CPU threshold (4096)")),
         (auto, None, 1024, (False, "1024 tokens, below the CPU threshold (4096), not merged")),
     ]
     for cfg, measured, tokens, expected in cases:
         d = policy.decide_level(cfg, 1, tokens, "cpu", measured)
         assert (d.merged, d.reason) == expected
+
+
+def test_uncertain_is_rounds_on_both_sides_of_the_margin():
+    """The slowest round under 1.05x and the fastest at or above it; no spread is certain."""
+    assert policy.uncertain(1.04, 1.05) and policy.uncertain(0.5, 2.0)
+    assert not policy.uncertain(1.05, 1.6) and not policy.uncertain(0.8, 1.0499)
+    assert not policy.uncertain(None, None)
+    assert not policy.uncertain(1.0, 1.08, margin=0.1) and policy.uncertain(1.0, 1.1, margin=0.1)
+    assert policy.verdict(1.2, 1.1, 1.3) == "merged"
+    assert policy.verdict(1.2, 1.0, 1.3) == "uncertain (rounds 1.00x to 1.30x), not merged"
+    assert policy.verdict(1.0) == "not merged"
+    assert not policy.LevelSpeed(1.2, "X", 1.0, 1.3).merged
+    assert policy.LevelSpeed(1.2, "X").merged
 
 
 def test_the_planner_tells_its_decisions_once_per_size_after_measuring():

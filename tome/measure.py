@@ -3,9 +3,10 @@
 The fixed thresholds in ``policy.py`` were measured on a few machines; the real answer depends
 on the user's device, dtype, attention kernel and image size. ``measure`` times, per UNet
 level, one representative transformer block unmerged and merged on the user's own model, and
-scales the figures to the whole level (blocks at the level, plans built per call); ``decide``
-turns a row into a yes/no with a safety margin so noise cannot flip it. How a block runs
-merged is the host adapter's business (``runner``: ``patch.run_block`` for hooks,
+scales the figures to the whole level (blocks at the level, plans built per call), keeping the
+spread of its rounds; ``decide`` turns a row into a yes/no with a safety margin, and a row whose
+rounds disagree about it (a busy machine) is timed again, then uncertain: never merged. How a
+block runs merged is the host adapter's business (``runner``: ``patch.run_block`` for hooks,
 ``patcher.run_block`` for the ModelPatcher contract, ``override.runner`` for a DiT reached
 per call: ComfyUI's override, Forge Neo's swap), so this room imports no adapter;
 remembering results is ``measurements.py``'s.
@@ -51,7 +52,9 @@ Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner
 @dataclass(frozen=True)
 class LevelTiming:
     """One UNet level, per UNet call: ``unmerged_ms`` = blocks x block time; ``merged_ms`` =
-    plans x plan build + blocks x merged block time."""
+    plans x plan build + blocks x merged block time. ``low``/``high``: the spread of the
+    speed-up over the timed rounds (each round's own figure, and this one), None in a
+    reading cached before spreads were kept."""
 
     level: int         # downsample factor (1 = full resolution)
     tokens: int        # tokens a block at this level sees
@@ -59,20 +62,40 @@ class LevelTiming:
     plans: int         # plans built per call (per UNet side, or per block with share="block")
     unmerged_ms: float
     merged_ms: float
+    low: float | None = None
+    high: float | None = None
 
     @property
     def speedup(self) -> float:
-        return self.unmerged_ms / self.merged_ms if self.merged_ms > 0 else math.inf
+        return _ratio(self.unmerged_ms, self.merged_ms)
+
+    def uncertain(self, margin: float = MARGIN) -> bool:
+        """Its rounds fall on both sides of the decision (``policy.uncertain``)."""
+        return policy.uncertain(self.low, self.high, margin)
+
+    def verdict(self, margin: float = MARGIN) -> str:
+        """``merged``, ``not merged`` or ``uncertain (rounds ...), not merged``."""
+        return policy.verdict(self.speedup, self.low, self.high, margin)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
 
 
 def decide(row: LevelTiming, margin: float = MARGIN) -> bool:
-    """Merge this level only where it was measured at least ``1 + margin`` times faster."""
-    return policy.pays(row.speedup, margin)
+    """Merge this level only where it was measured at least ``1 + margin`` times faster and
+    its rounds agree on that (``policy.uncertain``)."""
+    return policy.pays(row.speedup, margin) and not row.uncertain(margin)
+
+
+FIELDS = {"device", "dtype", "latent", "batch", "method", "rows"}  # a Measurement's dict
+OPTIONAL = {"taken"}  # not in a reading cached before it was kept
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """What ``measure`` found on one device for one latent size, batch and method."""
+    """What ``measure`` found on one device for one latent size, batch and method, and when
+    (``taken``: UTC, ISO 8601; None in a reading cached before it was kept)."""
 
     device: str                # e.g. "NVIDIA H100 80GB HBM3", "AMD EPYC 7B13", "Apple MPS"
     dtype: str                 # "float16", "float32", ...
@@ -80,31 +103,51 @@ class Measurement:
     batch: int
     method: str
     rows: tuple[LevelTiming, ...]
+    taken: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields a reading always had, plus ``taken`` and each row's spread where known."""
         d = asdict(self)
         d["latent"] = list(self.latent)
+        d["rows"] = [{k: v for k, v in r.items() if v is not None} for r in d["rows"]]
+        if d["taken"] is None:
+            del d["taken"]
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Measurement:
-        """Strict: anything malformed raises ``ValueError`` (the cache then ignores it)."""
+        """Strict: anything malformed raises ``ValueError`` (the cache then ignores it). A
+        reading without ``taken`` or a row without its spread (cached before they were kept)
+        is read as it was written."""
         try:
             rows = tuple(LevelTiming(int(r["level"]), int(r["tokens"]), int(r["blocks"]),
                                      int(r["plans"]), float(r["unmerged_ms"]),
-                                     float(r["merged_ms"])) for r in d["rows"])
+                                     float(r["merged_ms"]), *_spread(r)) for r in d["rows"])
             size = tuple(int(v) for v in d["latent"])
             if len(size) not in (2, 3):
                 raise ValueError(f"latent {size}")
+            taken = d.get("taken")
+            if taken is not None and not isinstance(taken, str):
+                raise ValueError(f"taken {taken!r}")
             m = cls(str(d["device"]), str(d["dtype"]), size, int(d["batch"]),
-                    str(d["method"]), rows)
-        except (KeyError, TypeError, ValueError) as e:
+                    str(d["method"]), rows, taken)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"ToMe: not a measurement: {e!r}") from None
-        if set(d) != {"device", "dtype", "latent", "batch", "method", "rows"} or not all(
+        if not FIELDS <= set(d) <= FIELDS | OPTIONAL or not all(
                 math.isfinite(t) and t >= 0 for r in rows for t in (r.unmerged_ms, r.merged_ms)):
             raise ValueError("ToMe: not a measurement: unexpected fields or times")
         return m
 
+
+def _spread(r: dict[str, Any]) -> tuple[float, float] | tuple[()]:
+    """A row's ``(low, high)``, or nothing where the row has no spread; ``ValueError`` for a
+    spread that is not one (half of it, negative, NaN, low above high)."""
+    if "low" not in r and "high" not in r:
+        return ()
+    low, high = float(r["low"]), float(r["high"])
+    if not 0 <= low <= high:  # also NaN
+        raise ValueError(f"spread {low}, {high}")
+    return low, high
 
 
 # ----------------------------------------------------------------------------- the device
@@ -311,26 +354,33 @@ def _clear(speedups: list[float], margin: float = MARGIN) -> bool:
 
 def measure(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
             runner: Runner, rounds: int = 5, warmup: int = 1, clock: Clock | None = None,
-            levels: Iterable[int] | None = None, min_rounds: int = 3) -> Measurement:
+            levels: Iterable[int] | None = None, min_rounds: int = 3,
+            retakes: int = 2) -> Measurement:
     """Time each mergeable level of ``model`` unmerged and merged with ``config``.
 
     Per level, one transformer block stands for each group of blocks of one shape (a UNet
     level's blocks; a DiT's double- and single-stream blocks the schedule pools, summed into
     its one level: ``Layout.timed``; ``representative``; a group whose every block another
     extension has taken over is not timed, and a level with none gets no row, so the
-    thresholds decide it); ``_time_level`` times it. ``runner`` runs a block with or without
+    thresholds decide it); ``_Timer`` times it. ``runner`` runs a block with or without
     a plan the way the host adapter does (``patch.run_block``, ``patcher.run_block``,
     ``processors.runner``); ``clock`` replaces the device's clock (tests). Runs on the device
     and dtype of the UNet's blocks, with inputs from a private generator; the model, its
     hooks, flags and the global RNG state are left exactly as they were. Raises
     ``memory.NotEnoughMemoryError`` before anything runs where the largest run would not fit.
 
+    A level whose rounds disagree about the decision (``LevelTiming.uncertain``: one round
+    says merge, another not; a busy machine) is timed again, at most ``retakes`` times; the
+    first take whose rounds agree is its row, else all its rounds together, uncertain (the
+    policy then does not merge it).
+
     Cost: ``warmup`` + ``min_rounds`` to ``rounds`` x (two block runs + one plan build) per
-    level; SD1.5 at 512 px on a CPU (level 1 only, the default) takes about one UNet forward,
-    hence the cache.
+    level, up to ``retakes`` times more where the rounds disagree; SD1.5 at 512 px on a CPU
+    (level 1 only, the default) takes about one UNet forward, hence the cache.
     """
-    if rounds < 1 or warmup < 0:
-        raise ValueError(f"ToMe: rounds must be >= 1 and warmup >= 0, not {rounds}, {warmup}")
+    if rounds < 1 or warmup < 0 or retakes < 0:
+        raise ValueError(f"ToMe: rounds must be >= 1, warmup and retakes >= 0, not {rounds}, "
+                         f"{warmup}, {retakes}")
     layout = read(model)
     # Seed, window and use_rand do not change the cost: build as a random-destination call would.
     cfg = config.replace(policy="fixed", start=0.0, end=1.0, use_rand=True)
@@ -343,20 +393,42 @@ def measure(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig,
     _check_memory(layout, latent, batch, {level: rs[0] for level, rs in reps.items()})
     rows = []
     for level, gs in groups.items():
-        parts = [_time_level(rep, g, decoder, level, latent, batch, cfg, runner, clock, rounds,
-                             warmup, min_rounds, method)
-                 for g, rep in zip(gs, reps[level]) if rep is not None]
-        if parts:
-            rows.append(parts[0] if len(parts) == 1 else _summed(level, parts))
+        timers = [_Timer(rep, g, decoder, level, latent, batch, cfg, runner, clock, method)
+                  for g, rep in zip(gs, reps[level]) if rep is not None]
+        if not timers:
+            continue
+        takes: list[list[list[Sample]]] = []  # per take, per group: its rounds
+        for take in range(1 + retakes):
+            takes.append([t.rounds(rounds, warmup if take == 0 else 0, min_rounds)
+                          for t in timers])
+            row = _level_row(level, timers, takes[-1])
+            if not row.uncertain():
+                break
+        else:  # every take disagreed: all their rounds, still uncertain
+            row = _level_row(level, timers, [sum(parts, []) for parts in zip(*takes)])
+        rows.append(row)
     return _result([r for rs in reps.values() for r in rs], layout, latent, batch,
                    config.method, rows)
 
 
-def _summed(level: int, parts: list[LevelTiming]) -> LevelTiming:
-    """One level's row from its groups' rows (a DiT's double- and single-stream blocks): the
-    blocks and times add up; one plan per call."""
+Sample = tuple[float, float, float]  # one round's seconds: unmerged, plan build, merged
+
+
+def _level_row(level: int, timers: list[_Timer], samples: list[list[Sample]]) -> LevelTiming:
+    """One level's row from its groups' rounds (a DiT's double- and single-stream blocks:
+    the blocks and times add up, one plan per call; the spread's ends are each group's ends,
+    its merged time scaled to them)."""
+    parts = [t.row(s) for t, s in zip(timers, samples)]
+    if len(parts) == 1:
+        return parts[0]
+    unmerged = sum(r.unmerged_ms for r in parts)
+
+    def end(at: Callable[[LevelTiming], float]) -> float:
+        return _ratio(unmerged, sum(_ratio(r.unmerged_ms, at(r)) if r.unmerged_ms > 0
+                                    else r.merged_ms for r in parts))
     return LevelTiming(level, parts[0].tokens, sum(r.blocks for r in parts), parts[0].plans,
-                       sum(r.unmerged_ms for r in parts), sum(r.merged_ms for r in parts))
+                       unmerged, sum(r.merged_ms for r in parts),
+                       end(lambda r: r.low), end(lambda r: r.high))
 
 
 def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[int, ...],
@@ -364,60 +436,79 @@ def _result(blocks: Iterable[nn.Module | None], layout: Layout, latent: tuple[in
     p = next(iter(b for b in blocks if b is not None), layout.root)
     p = next(p.parameters())
     return Measurement(device_name(p.device), str(p.dtype).removeprefix("torch."), latent,
-                       int(batch), method, tuple(rows))
+                       int(batch), method, tuple(rows),
+                       time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def _time_level(block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Module], level: int,
-                latent: tuple[int, ...], batch: int, cfg: ToMeConfig, runner: Runner,
-                clock: Clock | None, rounds: int, warmup: int, min_rounds: int,
-                method: methods.Method | None = None) -> LevelTiming:
-    """One level's row. Each round times the block unmerged, the plan build (a fresh call, as
-    in sampling) and the block merged, unmerged first in one round and last in the next. Each
-    is the fastest of at most ``rounds`` after ``warmup`` untimed rounds: other work on the
-    machine only ever adds time, and the fastest run is the least disturbed (on a 2-core CPU
-    with a UNet running on the other core, the median moved by 25% from one measurement to the
-    next, the fastest by 5%). The level stops after ``min_rounds`` once every round's speed-up
-    lands clearly on one side of the decision (``_clear``: the large levels, the costly ones
-    to time, are rarely near the margin)."""
-    p = next(block.parameters())
-    device, dtype = p.device, p.dtype
-    tick = clock or default_clock(device)
-    tokens = policy.level_tokens(latent, level)
-    g = torch.Generator().manual_seed(level)
-    x = torch.randn(batch, tokens, width(block), generator=g).to(device, dtype)
-    ctx = None
-    if context_dim(block) is not None:
-        ctx = torch.randn(batch, CONTEXT_TOKENS, context_dim(block), generator=g).to(device, dtype)
-    planner = _plan.Planner(cfg, level, method=method)
-    t = torch.tensor(500.0, device=device)
-    built: list[Any] = [None]
+class _Timer:
+    """One block standing for its group at one level: its inputs, planner and three runs
+    (``PHASES``), timed in ``rounds``; ``row`` makes a level's row of them."""
 
-    def build() -> None:
-        built[0] = planner.plan(planner.begin(latent, device, t), x, False)
+    def __init__(self, block: nn.Module, blocks: list[nn.Module], decoder: set[nn.Module],
+                 level: int, latent: tuple[int, ...], batch: int, cfg: ToMeConfig,
+                 runner: Runner, clock: Clock | None, method: methods.Method | None = None):
+        p = next(block.parameters())
+        self.block, self.device = block, p.device
+        self.tick = clock or default_clock(self.device)
+        self.level, self.blocks = level, len(blocks)
+        self.tokens = policy.level_tokens(latent, level)
+        g = torch.Generator().manual_seed(level)
+        x = torch.randn(batch, self.tokens, width(block), generator=g).to(self.device, p.dtype)
+        ctx = None
+        if context_dim(block) is not None:
+            ctx = torch.randn(batch, CONTEXT_TOKENS, context_dim(block), generator=g
+                              ).to(self.device, p.dtype)
+        planner = _plan.Planner(cfg, level, method=method)
+        t = torch.tensor(500.0, device=self.device)
+        built: list[Any] = [None]
 
-    run = {"unmerged": lambda: runner(block, x, ctx, planner, None), "build": build,
-           "merged": lambda: runner(block, x, ctx, planner, built[0])}
-    samples: list[list[float]] = []
-    with torch.no_grad(), _kept(block, device):
-        plans = _plan_count(planner, planner.begin(latent, device, t), x, blocks, decoder)
+        def build() -> None:
+            built[0] = planner.plan(planner.begin(latent, self.device, t), x, False)
 
-        def row(unmerged_s: float, build_s: float, merged_s: float) -> LevelTiming:
-            n = len(blocks)
-            return LevelTiming(level, tokens, n, plans, n * unmerged_s * 1e3,
-                               (plans * build_s + n * merged_s) * 1e3)
+        self.run = {"unmerged": lambda: runner(block, x, ctx, planner, None), "build": build,
+                    "merged": lambda: runner(block, x, ctx, planner, built[0])}
+        with torch.no_grad():
+            self.plans = _plan_count(planner, planner.begin(latent, self.device, t), x, blocks,
+                                     decoder)
 
-        for i in range(warmup + rounds):
-            if i == warmup:
-                _sync(device)
-            timed = tick if i >= warmup else _untimed
-            # alternate the order, so whatever runs first is no handicap
-            order = PHASES if i % 2 == 0 else ("build", "merged", "unmerged")
-            took = {}
-            for phase in order:
-                _evict(device)
-                took[phase] = timed(phase, run[phase])
-            if i >= warmup:
-                samples.append([took[ph] for ph in PHASES])
-                if len(samples) >= min_rounds and _clear([row(*s).speedup for s in samples]):
-                    break
-    return row(*(min(ts) for ts in zip(*samples)))
+    def _row(self, unmerged_s: float, build_s: float, merged_s: float) -> LevelTiming:
+        n = self.blocks
+        return LevelTiming(self.level, self.tokens, n, self.plans, n * unmerged_s * 1e3,
+                           (self.plans * build_s + n * merged_s) * 1e3)
+
+    def row(self, samples: list[Sample]) -> LevelTiming:
+        """The fastest of each phase over ``samples`` (other work on the machine only ever
+        adds time: the fastest run is the least disturbed), with the spread of the speed-up:
+        every round's own figure and this one."""
+        r = self._row(*(min(ts) for ts in zip(*samples)))
+        speeds = [self._row(*s).speedup for s in samples] + [r.speedup]
+        return LevelTiming(r.level, r.tokens, r.blocks, r.plans, r.unmerged_ms, r.merged_ms,
+                           min(speeds), max(speeds))
+
+    def rounds(self, rounds: int, warmup: int, min_rounds: int) -> list[Sample]:
+        """``warmup`` untimed rounds (on a GPU the first runs pay for lazy initialisation and
+        kernel selection: the clock never sees them), then at most ``rounds`` timed ones. Each
+        round runs the block unmerged, the plan build (a fresh call, as in sampling) and the
+        block merged, unmerged first in one round and last in the next, caches evicted before
+        each run. Stops after ``min_rounds`` once every round's speed-up lands clearly on one
+        side of the decision (``_clear``: the large levels, the costly ones to time, are
+        rarely near the margin). On a 2-core CPU with a UNet running on the other core, the
+        median moved by 25% from one measurement to the next, the fastest by 5%."""
+        samples: list[Sample] = []
+        with torch.no_grad(), _kept(self.block, self.device):
+            for i in range(warmup + rounds):
+                if i == warmup:
+                    _sync(self.device)
+                timed = self.tick if i >= warmup else _untimed
+                # alternate the order, so whatever runs first is no handicap
+                order = PHASES if i % 2 == 0 else ("build", "merged", "unmerged")
+                took = {}
+                for phase in order:
+                    _evict(self.device)
+                    took[phase] = timed(phase, self.run[phase])
+                if i >= warmup:
+                    samples.append((took["unmerged"], took["build"], took["merged"]))
+                    if len(samples) >= min_rounds and _clear(
+                            [self._row(*s).speedup for s in samples]):
+                        break
+        return samples

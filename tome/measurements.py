@@ -4,7 +4,8 @@
 image: ``cache_key`` names everything that changes the answer, ``MeasurementCache`` keeps the
 answers in one small JSON file (a corrupt or foreign file is ignored, never trusted), and
 ``Measurer`` is the service behind the auto policy: asked by a host adapter at the first call
-of each size, it answers from memory, the file, or a new measurement, and says one line.
+of each size, it answers from memory, the file, or a new measurement, and says one line;
+``Measurer.forget`` drops a size's reading (a host's "re-measure").
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from .measure import (
     Measurement,
     Runner,
     attention_backend,
-    decide,
     device_name,
     levels_to_measure,
     measure,
@@ -39,6 +39,9 @@ from .measure import (
 from .policy import LevelSpeed, latent_grid, size_text
 
 # Version 2: each timing the fastest of its rounds (1: medians); an older file is measured again.
+# A reading also keeps when it was taken and each row its rounds' spread (``low``, ``high``):
+# optional fields, so a version 2 file written before them is read as it is, its readings
+# certain (they were taken the way every reading was until then; ``forget`` drops one).
 FORMAT, VERSION = "tome-measurements", 2
 # The config fields that change the merged cost (less those the method ignores); seed, start,
 # end, policy and use_rand do not. The form that runs a block adds its own (``key_fields``: a
@@ -214,6 +217,17 @@ class MeasurementCache:
         line, when the file cannot be written."""
         entries = self._load()
         entries[key.digest] = {"parts": key.parts, "measurement": measurement.to_dict()}
+        return self._write(entries)
+
+    def drop(self, key: CacheKey) -> bool:
+        """Remove ``key``'s reading from the file (the others stay); True if there was one
+        and the file was rewritten without it."""
+        entries = self._load()
+        if entries.pop(key.digest, None) is None:
+            return False
+        return self._write(entries)
+
+    def _write(self, entries: dict[str, dict[str, Any]]) -> bool:
         data = {"format": FORMAT, "version": VERSION, "entries": entries}
         tmp = None
         try:
@@ -246,14 +260,15 @@ class Measurer:
 
     def __init__(self, cache: MeasurementCache | None = None, say: Callable[[str], Any] = print,
                  progress: Callable[[str], Any] | None = None, rounds: int = 5,
-                 warmup: int = 1, clock: Clock | None = None):
+                 warmup: int = 1, clock: Clock | None = None, retakes: int = 2):
         self.cache = cache if cache is not None else MeasurementCache(say=say)
         self.say, self.progress = say, progress
         self.rounds, self.warmup, self.clock = rounds, warmup, clock
+        self.retakes = retakes  # ``measure``'s: a level whose rounds disagree is timed again
         self.results: dict[str, Measurement] = {}  # key digest -> measurement
-        # (model, its device and dtype, size, batch, config) -> measurement: skips building the
+        # (model, its device and dtype, size, batch, config) -> key digest: skips building the
         # key (walking the model) when a patch is re-applied for every pass.
-        self.seen: dict[tuple, Measurement] = {}
+        self.seen: dict[tuple, str] = {}
         self.last: Measurement | None = None
         self.reason: str | None = None  # why the latest ``get`` returned None (its line)
 
@@ -274,12 +289,9 @@ class Measurer:
                              "the token thresholds decide")
         latent = grid[1:] if grid[0] == 1 else grid  # an image: (height, width), as ever
         try:
-            p = next(denoiser(model).parameters())
-            quick = (id(model), p.device, p.dtype, latent, batch, config.replace(
-                seed=0, policy="auto", start=0.0, end=1.0, use_rand=True),
-                None if levels is None else tuple(levels))
-            if quick in self.seen:
-                return self.seen[quick]
+            quick = self._quick(model, latent, batch, config, levels)
+            if self.seen.get(quick) in self.results:
+                return self.results[self.seen[quick]]
             key = cache_key(model, latent, batch, config, levels=levels)
             found = self.results.get(key.digest) or self.cache.get(key)
             if found is None:
@@ -291,8 +303,34 @@ class Measurer:
             return self._not(f"ToMe: could not measure {size} ({type(e).__name__}: "
                              f"{e}); the token thresholds decide")
         if found is not None:
-            self.results[key.digest] = self.seen[quick] = self.last = found
+            self.results[key.digest] = self.last = found
+            self.seen[quick] = key.digest
         return found
+
+    @staticmethod
+    def _quick(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig,
+               levels: Iterable[int] | None) -> tuple:
+        p = next(denoiser(model).parameters())
+        return (id(model), p.device, p.dtype, latent, batch, config.replace(
+            seed=0, policy="auto", start=0.0, end=1.0, use_rand=True),
+            None if levels is None else tuple(levels))
+
+    def forget(self, model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
+               levels: Iterable[int] | None = None) -> bool:
+        """Drop the reading ``get`` would answer for this model, size, batch and config (from
+        memory and the cache file; every other size stays), so the next ``get`` measures it
+        again: a reading taken while the machine was busy. True if there was one."""
+        grid = latent_grid(latent)
+        latent = grid[1:] if grid[0] == 1 else grid
+        try:
+            key = cache_key(model, latent, batch, config, levels=levels)
+        except Exception:  # noqa: BLE001 (nothing measured to drop; ``get`` says why)
+            return False
+        known = self.results.pop(key.digest, None)
+        self.seen = {q: d for q, d in self.seen.items() if d != key.digest}
+        if known is not None and known is self.last:
+            self.last = None
+        return self.cache.drop(key) or known is not None
 
     def _not(self, line: str) -> None:
         self.reason = line
@@ -311,14 +349,13 @@ class Measurer:
         t0 = time.perf_counter()
         try:
             m = measure(layout, latent, batch, config, rounds=self.rounds, warmup=self.warmup,
-                        clock=self.clock, levels=levels, runner=runner)
+                        clock=self.clock, levels=levels, runner=runner, retakes=self.retakes)
         finally:
             if self.progress is not None:
                 self.progress(None)
         seconds = time.perf_counter() - t0
         self.cache.put(key, m)
-        rows = ", ".join(f"ds{r.level} {r.speedup:.2f}x "
-                         + ("merged" if decide(r) else "not merged") for r in m.rows)
+        rows = ", ".join(f"ds{r.level} {r.speedup:.2f}x {r.verdict()}" for r in m.rows)
         self.say(f"ToMe: measured {size}, batch {batch}, {m.method}, on {m.device} "
                  f"({m.dtype}) in {seconds:.1f} s: {rows or 'no level to merge'}")
         return m
@@ -335,5 +372,5 @@ class Measurer:
 
 
 def speedups(m: Measurement) -> dict[int, LevelSpeed]:
-    """``{level: LevelSpeed}``: what the policy reads."""
-    return {r.level: LevelSpeed(r.speedup, m.device) for r in m.rows}
+    """``{level: LevelSpeed}`` (speed-up, device, spread): what the policy reads."""
+    return {r.level: LevelSpeed(r.speedup, m.device, r.low, r.high) for r in m.rows}

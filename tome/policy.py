@@ -7,8 +7,9 @@ image (4096 tokens at the top level) is faster *without* merging, and the gain s
 1024 px. Measurements behind each threshold are in ``docs/speed.md``.
 
 Two sources, best first: a measurement of this model on this device at this size
-(``measure.py``: a level is merged where it was measured at least ``MARGIN`` faster), else a
-token threshold per device kind (each method's ``thresholds``).
+(``measure.py``: a level is merged where it was measured at least ``MARGIN`` faster and its
+timed rounds agree on that: ``uncertain``), else a token threshold per device kind (each
+method's ``thresholds``).
 
 Pure decisions on plain numbers: no model, no tensors, so hosts can say what will happen
 (console line, infotext) and tests can check every branch without a GPU.
@@ -43,6 +44,23 @@ def pays(speedup: float, margin: float = MARGIN) -> bool:
     return speedup >= 1.0 + margin
 
 
+def uncertain(low: float | None, high: float | None, margin: float = MARGIN) -> bool:
+    """A measurement whose timed rounds disagree about the decision: the slowest round's
+    speed-up (``low``) is under ``1 + margin``, the fastest's (``high``) at or above it. A
+    figure from such rounds is a coin flip on a busy machine, so it never merges. No spread
+    (``None``: a reading cached before spreads were kept) is certain."""
+    return low is not None and high is not None and not pays(low, margin) and pays(high, margin)
+
+
+def verdict(speedup: float, low: float | None = None, high: float | None = None,
+            margin: float = MARGIN) -> str:
+    """``merged``, ``not merged`` or ``uncertain (rounds 0.92x to 1.31x), not merged``: the
+    words every console line, infotext note and table uses for a measured level."""
+    if uncertain(low, high, margin):
+        return f"uncertain (rounds {low:.2f}x to {high:.2f}x), not merged"
+    return "merged" if pays(speedup, margin) else "not merged"
+
+
 def device_kind(device: object) -> str:
     """``cpu``, ``cuda`` or ``mps`` for a ``torch.device`` (or its string); others map to
     the most conservative kind."""
@@ -51,11 +69,19 @@ def device_kind(device: object) -> str:
 
 
 class LevelSpeed(NamedTuple):
-    """A level's measured speed-up (unmerged time / merged time) and the device measured on:
-    what a measurement hands the policy (``measurements.speedups``)."""
+    """A level's measured speed-up (unmerged time / merged time), the device measured on and
+    the spread of its timed rounds' speed-ups (``low``, ``high``; None where not known): what
+    a measurement hands the policy (``measurements.speedups``)."""
 
     speedup: float
     device: str
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def merged(self) -> bool:
+        """Merged: at least ``MARGIN`` faster, and not ``uncertain``."""
+        return pays(self.speedup) and not uncertain(self.low, self.high)
 
 
 @dataclass(frozen=True)
@@ -110,16 +136,16 @@ def size_text(latent: tuple[int, ...], scale: int = SCALE) -> str:
 def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
                  measured: LevelSpeed | None = None, method: object = None) -> Decision:
     """Whether a level with ``tokens`` tokens is merged under ``config.policy`` on ``kind``;
-    ``measured``: ``(speed-up, device name)`` of this level on this device, if measured;
+    ``measured``: ``LevelSpeed`` (or ``(speed-up, device name)``) of this level on this device,
+    if measured: merged from ``MARGIN`` faster unless its rounds disagree (``uncertain``);
     ``method``: the form that runs (a DiT's ``dit.DitPool``, with its own thresholds), else
     ``config.method``'s."""
     if config.policy == "fixed":
         return Decision(level, tokens, True, "fixed policy")
     if measured is not None:
-        speedup, device = measured
-        merged = pays(speedup)
-        return Decision(level, tokens, merged, f"measured {speedup:.2f}x on {device}, "
-                        + ("merged" if merged else "not merged"))
+        m = LevelSpeed(*measured)
+        return Decision(level, tokens, m.merged, f"measured {m.speedup:.2f}x on {m.device}, "
+                        + verdict(m.speedup, m.low, m.high))
     thresholds = getattr(method, "thresholds", None) or methods.get(config.method).thresholds
     threshold = thresholds.get(kind, thresholds.get(FALLBACK, 0))
     if tokens >= threshold:
@@ -135,7 +161,8 @@ def decide(config: ToMeConfig, latent: tuple[int, ...], levels: list[int] | tupl
     """One ``Decision`` per level in ``levels`` (those the settings would merge).
 
     ``fixed`` merges every one of them; ``auto`` those measured at least ``MARGIN`` faster
-    (``measured``: level -> (speed-up, device)), the others by the device kind's threshold.
+    and not ``uncertain`` (``measured``: level -> ``LevelSpeed``), the others by the device
+    kind's threshold.
     """
     measured = measured or {}
     return [decide_level(config, lv, level_tokens(latent, lv), kind, measured.get(lv), method)

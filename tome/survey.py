@@ -42,10 +42,12 @@ class Survey:
     missed: list[tuple[str, int, str]] = field(default_factory=list)
 
     def rows(self) -> list[tuple[str, ...]]:
-        """One row per method, size and level, as ``HEAD`` names the columns."""
+        """One row per method, size and level, as ``HEAD`` names the columns; a level whose
+        rounds disagreed (``policy.uncertain``) shows their spread and ``uncertain``."""
         return [(m.method, image(m.latent), f"ds{r.level}",
                  str(r.tokens), f"{r.unmerged_ms:.1f}", f"{r.merged_ms:.1f}",
-                 f"{r.speedup:.2f}x", "merge" if policy.pays(r.speedup) else "no")
+                 f"{r.speedup:.2f}x" + (f" ({r.low:.2f}-{r.high:.2f}x)" if r.uncertain() else ""),
+                 "uncertain" if r.uncertain() else "merge" if policy.pays(r.speedup) else "no")
                 for m in self.found for r in m.rows]
 
     def skipped(self) -> list[tuple[str, str, str]]:
@@ -107,11 +109,13 @@ class Scale:
 
 def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | None,
            device: Any = None, base: ToMeConfig | None = None,
-           not_timed: str = "not measured") -> Survey:
+           not_timed: str = "not measured", *, remeasure: bool = False) -> Survey:
     """Measure ``model`` (anything ``layout.read`` reads) at each square size in px with each
     registered method (its defaults over ``base``), through ``service`` (a
     ``measurements.Measurer``) and ``runner`` (how the host's adapter runs a block merged;
-    None where its contract cannot time this model: every size is then ``not_timed``)."""
+    None where its contract cannot time this model: every size is then ``not_timed``).
+    ``remeasure``: first drop the readings it would show (``Measurer.forget``: memory and
+    the cache file), so every size is measured again; other sizes' readings stay."""
     out = Survey()
     base = base or ToMeConfig(policy="auto")
     layout = read(model)
@@ -123,6 +127,8 @@ def survey(model: Any, sizes: Iterable[int], service: Any, runner: Callable | No
             if skip:
                 out.missed.append((name, px, skip))
                 continue
+            if remeasure:
+                service.forget(model, (px // 8, px // 8), BATCH, cfg)
             m = service.get(model, (px // 8, px // 8), BATCH, cfg, device=device, runner=runner)
             if m is None:
                 out.missed.append((name, px, service.reason or "not measured"))

@@ -17,6 +17,10 @@ from ..survey import HEAD, Survey, survey
 from .inputs import DEFAULT
 
 SIZES = "512,768,1024"
+# The node's ``remeasure`` input (optional: a workflow saved before it still loads).
+REMEASURE = ("BOOLEAN", {"default": False, "tooltip": (
+    "Drop the saved readings of these sizes and measure them again (a reading taken while "
+    "the machine was busy, or marked uncertain). Off: sizes already measured are reused.")})
 COLOURS = {"merge": (228, 87, 46), "downsample": (31, 119, 180)}
 
 
@@ -41,9 +45,11 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run(model: Any, sizes: list[int], service: Measurer,
-        load: Callable[[Any], Any] = lambda m: None) -> tuple[str, torch.Tensor]:
+        load: Callable[[Any], Any] = lambda m: None, remeasure: bool = False
+        ) -> tuple[str, torch.Tensor]:
     """``(table, plot)`` of ``model`` (a ModelPatcher) at ``sizes`` with each method. A model
-    without UNet transformer blocks, or a size not measured, is a line in the table."""
+    without UNet transformer blocks, or a size not measured, is a line in the table.
+    ``remeasure``: the readings of these sizes are dropped first and taken again."""
     try:
         layout = read(getattr(model, "model", None))
     except UnsupportedModelError as e:
@@ -53,7 +59,7 @@ def run(model: Any, sizes: list[int], service: Measurer,
     runner = adapters.runner(layout, adapters.MODEL_PATCHER)
     device = load(model) if runner is not None else None
     found = survey(layout, sizes, service, runner, device, DEFAULT,
-                   not_timed=f"not measured: {patcher.NOT_TIMED}")
+                   not_timed=f"not measured: {patcher.NOT_TIMED}", remeasure=bool(remeasure))
     return table(found), plot(found)
 
 
