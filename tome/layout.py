@@ -43,12 +43,15 @@ class UnsupportedModelError(TypeError):
     """The object is not a model this library can patch."""
 
 
-def not_supported(name: str, found: bool = True) -> UnsupportedModelError:
+def not_supported(name: str, found: bool = True, why: str = "") -> UnsupportedModelError:
     """The one message for a model ToMe cannot merge; ``found``: a denoiser was found in it
-    (else what was expected is said too). The DiTs it names are the registered families."""
+    (else what was expected is said too); ``why``: what went wrong reading it. The DiTs it
+    names are the registered families."""
     text = (f"ToMe: {name} has no UNet transformer blocks to merge and is not a DiT it can "
             "pool (ToMe merges SD1, SD2 and SDXL UNets and pools image keys/values in the DiTs "
             f"it reads: {dits_read()}; not other DiTs, nor compiled or replaced models)")
+    if why:
+        text += f"; {why}"
     if not found:
         text += ("; expected an ldm/sgm model (.model.diffusion_model), a diffusers pipeline "
                  "(.unet, .transformer) or the UNet or transformer itself")
@@ -310,11 +313,17 @@ def read_diffusers(unet: nn.Module) -> Layout:
 
 def _dit_layout(root: nn.Module, fam: dits.Family) -> Layout:
     """A DiT's blocks as its family reads them, double-stream first, all at the one level
-    ``dit.patch``."""
-    dit, double, single = fam.read(root)
-    names = {m: n for n, m in root.named_modules()}
-    blocks = [Block(names.get(m, ""), m, dit.patch, False, "double") for m in double]
-    blocks += [Block(names.get(m, ""), m, dit.patch, False, "single") for m in single]
+    ``dit.patch``. A reader that fails on the model raises the one message (with what failed),
+    so the host passes the model through with its line instead of failing its run."""
+    try:
+        dit, double, single = fam.read(root)
+        names = {m: n for n, m in root.named_modules()}
+        blocks = [Block(names.get(m, ""), m, dit.patch, False, "double") for m in double]
+        blocks += [Block(names.get(m, ""), m, dit.patch, False, "single") for m in single]
+    except Exception as e:
+        raise not_supported(type(root).__name__, why=(
+            f"it looked like {fam.name} but could not be read as one "
+            f"({type(e).__name__}: {e})")) from e
     return Layout(fam.name, root, tuple(blocks), "encoder_hidden_states", dit)
 
 

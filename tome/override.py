@@ -123,9 +123,10 @@ class KvPool:
     """The override: ``pool(func, q, k, v, heads, mask=None, **kwargs)`` as ComfyUI calls it.
 
     One per patch, never copied (ComfyUI deep-copies options on every clone). ``flags``
-    records that a call reached it (a dict write, replayed by a compiled graph: the host's
-    wrapper clears it before each model call); ``skipped`` names blocks left unpooled and
-    why (eager calls only)."""
+    records that a call reached it (``fired``) and that one was pooled (``pooled``): dict
+    writes of constants, replayed by a compiled graph, no tensor read; the host's wrapper
+    clears them before each model call and counts them after. ``skipped`` names blocks left
+    unpooled and why (eager calls only)."""
 
     def __init__(self) -> None:
         self.flags: dict[str, bool] = {}
@@ -163,6 +164,7 @@ class KvPool:
             self._skip(options, "an attention mask (pooling would misalign it)")
             return None
         p = cached_plan(self._plans, state.spans, f, "before", state.proportional)
+        self.flags["pooled"] = True
         kp, vp = p.pool(k, start, dim), p.pool(v, start, dim)
         bias = p.bias(start, n, k.device)
         if bias is None:
@@ -282,9 +284,10 @@ class OverridePatch:
     applied as "before"; residual reuse is left out (its presets become their points without
     reuse); both are named in ``limits``."""
 
-    SILENT = ("ToMe: the attention override was installed but never called (a node after "
-              "this ToMe node replaced ComfyUI's optimized_attention_override without calling "
-              "it), so nothing was pooled")
+    NEVER_CALLED = ("the attention override was installed but never called (a node after this "
+                    "ToMe node replaced ComfyUI's optimized_attention_override without calling "
+                    "it)")
+    SILENT = f"ToMe: {NEVER_CALLED}, so nothing was pooled"
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
                  percent_to_sigma: Callable[[float], float] | None = None,
@@ -313,6 +316,8 @@ class OverridePatch:
         self.pool = KvPool()
         self.skipped = self.pool.skipped
         self.calls = self.fired = 0  # model calls with the override installed / reached
+        self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
+        # the settings at their step / that pooled at least one attention call (``counts``)
         self.on_silent: Callable[[], Any] | None = None  # told once: installed, never reached
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
         self.report: Any = None
@@ -357,6 +362,32 @@ class OverridePatch:
                                                                   spans.frames))
         return CallState(spans, factors, self.doubles, bool(self.applied.proportional))
 
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """The model calls so far: run with the override installed, reaching it, placed by
+        the family (``spans_of``), pooling at their step by the settings, that pooled."""
+        return self.calls, self.fired, self.placed, self.active, self.pooled
+
+    def not_pooled(self, since: tuple[int, ...] = (0, 0, 0, 0, 0)) -> str | None:
+        """One line where no model call since ``since`` (``counts()`` then) pooled anything,
+        saying why (what happened, not what was installed); None where one did."""
+        calls, fired, placed, active, pooled = (a - b for a, b in zip(self.counts(), since))
+        if pooled:
+            return None
+        if not calls:
+            why = "no model call went through its apply_model wrapper"
+        elif not fired:
+            why = self.NEVER_CALLED
+        elif not placed:
+            why = (f"{self.layout.family} cannot place this model's tokens (its latent or text "
+                   "is not laid out as that family's are)")
+        elif not active:
+            why = "no step was pooled by the settings (the step window or the auto policy)"
+        elif self.skipped:
+            why = "its attention calls carry a mask (pooling would misalign it)"
+        else:
+            why = "no attention call had the lengths of this model's text and image tokens"
+        return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
+
     def wrapper(self, executor: Callable, *args: Any, **kwargs: Any) -> Any:
         """ComfyUI's ``apply_model`` wrapper: ``(executor, x, t, c_concat, c_crossattn,
         control, transformer_options, **conds)``. Installs the override in this call's own
@@ -391,6 +422,9 @@ class OverridePatch:
         finally:
             restore(before)
             self.calls += 1
+            self.placed += spans is not None
+            self.active += state is not None
+            self.pooled += bool(self.pool.flags.get("pooled"))
             if self.pool.flags.get("fired"):
                 self.fired += 1
             elif not self.fired and self.calls == 1 and self.on_silent is not None:

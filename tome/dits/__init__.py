@@ -80,8 +80,17 @@ def families() -> tuple[Family, ...]:
 
 
 def find(module: nn.Module) -> Family | None:
-    """The family whose denoiser ``module`` is, or None."""
-    return next((f for f in REGISTRY.values() if f.recognise(module)), None)
+    """The family whose denoiser ``module`` is, or None. A ``recognise`` that raises on a
+    module does not recognise it: one family's mistake about a model it does not know passes
+    that model through (with the "not supported" line) instead of failing the host's run."""
+    return next((f for f in REGISTRY.values() if _recognises(f, module)), None)
+
+
+def _recognises(family: Family, module: nn.Module) -> bool:
+    try:
+        return bool(family.recognise(module))
+    except Exception:
+        return False
 
 
 def of(layout: Any) -> Family:

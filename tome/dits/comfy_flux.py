@@ -24,8 +24,17 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
     return Dit(2, True, 512, 1000.0, True), model.double_blocks, model.single_blocks
 
 
-FAMILY = Family("comfy flux", lambda m: comfy(m) and hasattr(m, "double_blocks")
-                and hasattr(m, "single_blocks"), read)
+def recognise(module: nn.Module) -> bool:
+    """ComfyUI's Flux (Chroma and Flux 2 too): Flux's double and single blocks and one patch
+    size for both sides (an int; the stand-ins carry none: 2). HunyuanVideo (and HunyuanImage
+    2.1) has Flux's blocks but a patch per axis (``[1, 2, 2]``, ``[1, 1]``), a 5-D latent and
+    [image, text] in its joint calls (0.8.0), which ``spans`` does not place: not this family
+    (it passes through with the "not supported" line until it has a family of its own)."""
+    return comfy(module) and hasattr(module, "double_blocks") \
+        and hasattr(module, "single_blocks") and isinstance(getattr(module, "patch_size", 2), int)
+
+
+FAMILY = Family("comfy flux", recognise, read)
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

@@ -184,25 +184,46 @@ class DiTModel(torch.nn.Module):
 def dit_sample(patcher, noise, context, sigmas, **conds):
     """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
     ComfyUI 0.8.0 makes it: the patcher's wrappers merged into the sampling options'
-    ``transformer_options["wrappers"]`` and ``sample_sigmas`` set once; per step a fresh
-    ``transformer_options`` (the options' nested dicts copied, their other values shared)
-    with ``cond_or_uncond`` and ``sigmas`` (this step's sigma per image), then
-    ``model.apply_model(x, sigma, c_crossattn=context, transformer_options=...,
-    **conds)``. The latent starts as ``sigmas[0] * noise`` (an empty latent). Returns the
-    final latent."""
-    from comfy.patcher_extension import copy_nested_dicts, merge_nested_dicts
+    ``transformer_options["wrappers"]`` and ``sample_sigmas`` set once; the whole sampling
+    (``CFGGuider.outer_sample``) run inside the ``outer_sample`` wrappers, called as
+    ``fn(executor, noise, latent_image, sampler, sigmas, denoise_mask, callback,
+    disable_pbar, seed, latent_shapes=...)`` with ``executor.class_obj`` the guider (its
+    ``model_patcher`` and ``model_options``); per step a fresh ``transformer_options`` (the
+    options' nested dicts copied, their other values shared) with ``cond_or_uncond`` and
+    ``sigmas`` (this step's sigma per image), then ``model.apply_model(x, sigma,
+    c_crossattn=context, transformer_options=..., **conds)``. The latent starts as
+    ``sigmas[0] * noise`` (an empty latent). Returns the final latent."""
+    from types import SimpleNamespace
+
+    from comfy.patcher_extension import (
+        WrapperExecutor,
+        WrappersMP,
+        copy_nested_dicts,
+        get_all_wrappers,
+        merge_nested_dicts,
+    )
     options = copy_nested_dicts(patcher.model_options)
     to = options.setdefault("transformer_options", {})
     merge_nested_dicts(to.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
     to["sample_sigmas"] = sigmas
     model = patcher.model
-    x = noise * sigmas[0]
-    for i in range(len(sigmas) - 1):
-        sigma = sigmas[i].expand(x.shape[0])
-        call = merge_nested_dicts({}, to, copy_dict1=False)
-        call["cond_or_uncond"] = [0] * x.shape[0]
-        call["sigmas"] = sigma
-        denoised = model.apply_model(x, sigma, c_crossattn=context, transformer_options=call,
-                                     **conds)
-        x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
-    return x
+
+    def outer_sample(noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None,
+                     disable_pbar=False, seed=None, latent_shapes=None):
+        x = noise * sigmas[0] + latent_image
+        for i in range(len(sigmas) - 1):
+            sigma = sigmas[i].expand(x.shape[0])
+            call = merge_nested_dicts({}, to, copy_dict1=False)
+            call["cond_or_uncond"] = [0] * x.shape[0]
+            call["sigmas"] = sigma
+            denoised = model.apply_model(x, sigma, c_crossattn=context,
+                                         transformer_options=call, **conds)
+            x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+        return x
+
+    guider = SimpleNamespace(model_patcher=patcher, model_options=options)
+    return WrapperExecutor.new_class_executor(
+        outer_sample, guider, get_all_wrappers(WrappersMP.OUTER_SAMPLE, options,
+                                               is_model_options=True)
+    ).execute(noise, torch.zeros_like(noise), "euler", sigmas, None, None, False, None,
+              latent_shapes=[noise.shape])

@@ -41,9 +41,10 @@ def _attention(q, k, v, pe, mask, options, calls_patches):
 
 
 class DoubleStreamBlock(torch.nn.Module):
-    def __init__(self, dim, heads, calls_patches=False):
+    def __init__(self, dim, heads, calls_patches=False, flipped_img_txt=False):
         super().__init__()
         self.num_heads, self.calls_patches = heads, calls_patches
+        self.flipped_img_txt = flipped_img_txt  # HunyuanVideo's [image, text] (0.8.0)
         self.img_qkv, self.txt_qkv = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, 3 * dim)
         self.img_proj, self.txt_proj = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
         self.img_mlp, self.txt_mlp = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
@@ -51,11 +52,16 @@ class DoubleStreamBlock(torch.nn.Module):
     def forward(self, img, txt, vec, pe, attn_mask=None, transformer_options={}):  # noqa: B006
         iq, ik, iv = _heads(self.img_qkv(F.layer_norm(img, img.shape[-1:]) + vec), self.num_heads)
         tq, tk, tv = _heads(self.txt_qkv(F.layer_norm(txt, txt.shape[-1:]) + vec), self.num_heads)
-        q, k, v = torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2)
-        if self.calls_patches:
-            transformer_options["img_slice"] = [txt.shape[1], q.shape[2]]
-        attn = _attention(q, k, v, pe, attn_mask, transformer_options, self.calls_patches)
-        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+        if self.flipped_img_txt:
+            q, k, v = torch.cat((iq, tq), 2), torch.cat((ik, tk), 2), torch.cat((iv, tv), 2)
+            attn = _attention(q, k, v, pe, attn_mask, transformer_options, False)
+            img_attn, txt_attn = attn[:, :img.shape[1]], attn[:, img.shape[1]:]
+        else:
+            q, k, v = torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2)
+            if self.calls_patches:
+                transformer_options["img_slice"] = [txt.shape[1], q.shape[2]]
+            attn = _attention(q, k, v, pe, attn_mask, transformer_options, self.calls_patches)
+            txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
         img = img + self.img_proj(img_attn)
         img = img + self.img_mlp(F.gelu(F.layer_norm(img, img.shape[-1:])))
         txt = txt + self.txt_proj(txt_attn)
