@@ -89,15 +89,21 @@ class CacheKey:
         return cls(hashlib.sha1(text.encode()).hexdigest(), text)
 
 
+# Key fields added after readings were cached, with the value every earlier reading had: left
+# out at that value, so those readings keep their keys (as an image's key has no ``frames``).
+ADDED = {"reuse": 0}
+
+
 def key_config(layout: Any, config: ToMeConfig) -> dict[str, Any]:
     """The config fields that change the merged cost of ``layout``'s blocks: ``KEY_FIELDS`` and
     the ``key_fields`` of the form that runs each block (a block of a kind other than a UNet's
-    runs the method's DiT form, ``Method.dit_form``), less those the method ignores."""
+    runs the method's DiT form, ``Method.dit_form``), less those the method ignores and those
+    ``ADDED`` later at their earlier value."""
     method = methods.get(config.method)
     extra = {f for b in layout.blocks for f in getattr(
         method.dit_form if b.kind != "unet" else method, "key_fields", ())}
     return {f: getattr(config, f) for f in KEY_FIELDS + tuple(sorted(extra))
-            if f not in method.ignores}
+            if f not in method.ignores and not (f in ADDED and getattr(config, f) == ADDED[f])}
 
 
 def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
