@@ -403,6 +403,7 @@ def test_dit_frontier_writes_its_table_plot_and_grid(tmp_path, monkeypatch):
         "plain pooling": [("x2", {"downsample_factor": 2, "proportional": False})],
         "proportional": [("x2", {"downsample_factor": 2})]})
     monkeypatch.setattr(dit_frontier, "PRESETS", ("quality",))
+    monkeypatch.setattr(dit_frontier, "ladder_settings", list)  # tests/test_reuse_memory.py
     g = torch.Generator().manual_seed(0)
     heldout = (torch.rand(2, 3, 64, 64, generator=g), torch.tensor([0, 1]))
     rows = dit_frontier.run(tmp_path, steps=2, seeds=(0,), heldout=heldout)

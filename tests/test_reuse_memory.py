@@ -301,3 +301,21 @@ def test_nothing_is_kept_after_a_generation_ends_or_raises(error):
         assert state(model).reuse.held_bytes() == 0
     finally:
         tome.remove_patch(pipe)
+
+
+# ----------------------------------------------------------------------------- the lab
+
+def test_the_frontier_prints_what_reuse_keeps_and_each_ladder_steps_fidelity(tmp_path):
+    """``python -m tome.lab.dit_frontier --ladder``: the quality preset at each ladder step
+    and without reuse, with what reuse held, and the estimator's table of released models
+    (Flux at 2048 px, Wan at 480p x 81 frames) with the step a 24 and an 80 GiB card land on."""
+    from tome.lab import dit_frontier
+    rows = dit_frontier.run(tmp_path, steps=6, seeds=(0,), ladder_only=True)
+    names = [r["setting"] for r in rows]
+    assert names[0] == "unpooled" and len(names) == 2 + len(memory.ladder(torch.float32, "cpu"))
+    held = [r["held"] for r in rows[1:]]
+    assert held[-1] == 0 and all(a > b for a, b in zip(held, held[1:]))
+    assert all(r["psnr"] > 0 for r in rows[1:])
+    text = (tmp_path / "frontier.md").read_text()
+    assert "reuse keeps" in text and "| Wan 2.1 1.3B | 832x480x81 | 2 | 32760 |" in text
+    assert "| Flux-dev | 2048 | 1 | 16384 | 11.0 GiB |" in text and "80 GiB card" in text

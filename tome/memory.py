@@ -277,9 +277,9 @@ def call_parts(specs: Sequence[tuple], layout: Any, x: torch.Tensor, size: tuple
     attention adds the text (a video DiT's call gives its kept first frame where an image
     DiT gives its text length)."""
     image = policy.level_tokens(size, layout.dit.patch)
-    if x.dim() == 5:  # a video: ``text`` is the kept first frame; the text is the facts'
-        seq, words = image + text, int(getattr(layout.dit, "context_tokens", 0) or 0) \
-            if layout.dit.text_tokens else 0
+    if x.dim() == 5:  # a video: ``text`` is its kept first frame; a joint text the facts'
+        seq = image + text
+        words = int(getattr(layout.dit, "context_tokens", 0)) if layout.dit.text_tokens else 0
     else:  # packed tokens (image and references) or a latent
         seq, words = (x.shape[1] if x.dim() == 3 else image), text
     return [Part(i, seq + (words if joint else 0), image, width, n)
@@ -292,12 +292,12 @@ class ReuseBudget:
     identity the generation had not seen (true CFG's second call, a batch that drops its
     uncond), it estimates what reuse will keep with the identities so far (``call_parts``,
     ``reuse_bytes``) before anything of theirs is kept, and checks it against the free memory
-    of the device the outputs live on (what it holds itself counts as free): the first
-    ``ladder`` step that fits, fewer blocks, or at the bottom the settings' point without
-    reuse (``config.without_reuse``: a preset's schedule changes too). One console line where
-    that is not everything (and again when it changes); ``report.memory`` says what it
-    keeps. ``partner``: a pipeline's other expert (Wan 2.2 A14B), whose residuals are freed
-    when this one's generation starts."""
+    of the device the outputs live on (what it holds itself counts as free; the forward's
+    activations are reserved, with ``check``'s margin): the first ``ladder`` step that fits,
+    or at the bottom the settings' point without reuse (``config.without_reuse``: a preset's
+    schedule changes too). One console line where that is not everything, and again when it
+    changes; ``report.memory`` says what it keeps. ``partner``: a pipeline's other expert
+    (Wan 2.2 A14B), whose residuals are freed when this one's generation starts."""
 
     def __init__(self, layout: Any, config: Any, blocks: Sequence[int], reuse: Any,
                  report: Any = None, say: Any = console.line):
@@ -313,16 +313,22 @@ class ReuseBudget:
         self.calls: dict[Any, int] = {}   # this generation's call identities -> batch rows
         self.said: Keep | None = None     # the step the last console line named
         self.keep, self.need = Keep(), 0
+        self.fixed: Keep | None = None    # keep this whatever memory says (the lab's ladder)
 
     def release(self) -> None:
         """Free what reuse keeps (the other expert's generation starts)."""
         self.reuse.reset()
 
-    def _dtype(self) -> torch.dtype:
-        p = next(self.layout.blocks[self.order[0]].module.parameters())
-        if p.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(p.device.type):
-            return torch.get_autocast_dtype(p.device.type)
-        return p.dtype
+    @staticmethod
+    def _dtype(x: torch.Tensor) -> torch.dtype:
+        """The attention outputs' dtype: autocast's where it is on, else the call's (a
+        quantised model's weights say nothing about it)."""
+        try:  # torch >= 2.4 (older: no autocast dtype per device type; the call's)
+            if torch.is_autocast_enabled(x.device.type):
+                return torch.get_autocast_dtype(x.device.type)
+        except (AttributeError, TypeError, RuntimeError):
+            pass
+        return x.dtype if x.is_floating_point() else torch.float32
 
     def begin(self, x: torch.Tensor, size: tuple[int, ...], text: int, p: float
               ) -> dit.Schedule:
@@ -349,7 +355,7 @@ class ReuseBudget:
         return self.fallback if self.keep.blocks == 0 else self.schedule
 
     def _decide(self, x: torch.Tensor, size: tuple[int, ...], text: int, p: float) -> None:
-        r, dtype = self.reuse, self._dtype()
+        r, dtype = self.reuse, self._dtype(x)
         parts = call_parts(self.specs, self.layout, x, size, text)
         rows = sum(self.calls.values())
         free = available(x.device)
@@ -358,7 +364,11 @@ class ReuseBudget:
         widest = max(q.width for q in parts)
         reserve = ACTIVATION_COPIES * x.shape[0] * max(q.rows for q in parts) * widest \
             * _elem(dtype)
-        keep, need = fit(parts, rows, dtype, free, reserve, self.order, x.device.type)
+        if self.fixed is not None:
+            keep = self.fixed
+            need = reuse_bytes(parts, rows, dtype, keep, self.order)
+        else:
+            keep, need = fit(parts, rows, dtype, free, reserve, self.order, x.device.type)
         full = reuse_bytes(parts, rows, dtype, Keep(), self.order)
         if keep != r.keep:
             r.set_keep(keep)
@@ -367,7 +377,7 @@ class ReuseBudget:
         self.keep, self.need = keep, need
         if self.report is not None:
             self.report.memory = self.words()
-        if keep != Keep() and keep != self.said:
+        if self.fixed is None and keep != Keep() and keep != self.said:
             self.say(f"ToMe: residual reuse would keep {amount(full)} with "
                      f"{amount(free or 0)} free on {x.device.type}: "
                      + (f"it keeps {keep.words()} ({amount(need)})" if keep.blocks != 0 else

@@ -71,13 +71,29 @@ def heldout_loss(model, heldout: tuple[torch.Tensor, torch.Tensor]) -> dict[floa
 
 @contextlib.contextmanager
 def _pooled(model, spec: dict[str, Any] | None):
-    """``model`` pooled with ``spec`` for the duration (None: as it is)."""
+    """``model`` pooled with ``spec`` for the duration (None: as it is); ``keep``
+    (``attend.Keep``): what residual reuse keeps, whatever memory says (a ladder step)."""
     if spec is not None:
+        spec = dict(spec)
+        keep = spec.pop("keep", None)
         tome.apply_patch(model, **{"method": "downsample", **spec})
+        if keep is not None:
+            _state(model).budget.fixed = keep
     try:
         yield
     finally:
         tome.remove_patch(model)
+
+
+def _state(model) -> Any:
+    from tome.patch import state_of
+    return state_of(model)
+
+
+def held(model) -> int:
+    """Bytes residual reuse holds on ``model`` now (0 without a patch or reuse)."""
+    reuse = getattr(_state(model), "reuse", None)
+    return reuse.held_bytes() if reuse is not None else 0
 
 
 def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
@@ -90,6 +106,7 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
     SETTINGS = tuple(settings or globals()["SETTINGS"])  # noqa: N806
     outs: dict[str, list[torch.Tensor]] = {name: [] for name, _ in SETTINGS}
     times: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
+    kept: dict[str, int] = {}  # what residual reuse held at the end of sampling, at most
     for j, (cls, seed) in enumerate(images):
         order = SETTINGS if j % 2 == 0 else SETTINGS[::-1]  # nothing always runs first
         for name, spec in order:
@@ -99,6 +116,7 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
                 t0 = time.thread_time()
                 img = tinydit.sample(model, [cls], seed=seed, steps=steps, size=size)
                 times[name].append(time.thread_time() - t0)
+                kept[name] = max(kept.get(name, 0), held(model))
             outs[name].append(img[0])
     losses: dict[str, dict[float, float]] = {}
     for name, spec in SETTINGS if heldout is not None else ():
@@ -122,6 +140,7 @@ def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,
                      "mse": float(quality.mse(imgs, ref).mean()),
                      "psnr": statistics.mean(p) if spec is not None else float("inf"),
                      "ssim": statistics.mean(s) if spec is not None else 1.0,
+                     "held": kept.get(name, 0),
                      "per_image": {"time": times[name], "psnr": p, "ssim": s}})
         if name in losses:
             rows[-1]["loss"] = losses[name]
