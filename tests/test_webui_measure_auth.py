@@ -124,6 +124,23 @@ def test_a_body_that_is_not_an_empty_object_is_refused(calls, body, status, says
     assert r.status_code == status and says in r.json()["detail"] and not calls
 
 
+def test_each_press_measures_again_the_api_may_read_the_cache(calls):
+    """Measure now drops the readings it shows and takes them again (a bad reading is not
+    kept); ``{"remeasure": false}`` shows the cached ones as they are."""
+    WebUI(api=True)
+    client = TestClient(launch())
+    first = answer(press(client, BUTTON))
+    assert calls and first.count("<tr>") == MEASURED
+    calls.clear()
+    assert answer(press(client, BUTTON)).count("<tr>") == MEASURED and calls
+    calls.clear()
+    r = client.post(measure_now.ROUTE, json={"remeasure": False})
+    assert r.status_code == 200 and r.json()["html"].count("<tr>") == MEASURED and not calls
+    r = client.post(measure_now.ROUTE, json={"remeasure": "no"})
+    assert r.status_code == 422 and "remeasure='no': expected true or false" in r.text
+    assert client.post(measure_now.ROUTE, json={}).status_code == 200 and calls
+
+
 def test_only_post(calls):
     WebUI(api=True)
     assert TestClient(launch()).get(measure_now.ROUTE).status_code == 405 and not calls

@@ -6,9 +6,10 @@ buttons, and its answer, built here with everything it quotes escaped, is an HTM
 method and an SVG plot of the speed-up against image size, with the line above which the auto
 policy merges. For API users ``POST /tome/measure`` (a JSON object body, ``{}``) answers
 ``{"html": ...}``; it is registered through the host's own API object, only where the host
-serves its API, so the host's API login applies (``register_api``). Measuring holds the
-WebUI's queue lock, so it never runs beside a generation; the results go into the same cache
-the generations read.
+serves its API, so the host's API login applies (``register_api``). Each press measures the
+sizes it shows again (their cached readings dropped first: a bad reading is not kept
+forever). Measuring holds the WebUI's queue lock, so it never runs beside a generation; the
+results go into the same cache the generations read.
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ def sizes_for(model: Any) -> tuple[int, ...]:
     return SIZES["SDXL"] if host.model_kind(model) == "SDXL" else SIZES[""]
 
 
-def run(model: Any, measurer: Measurer, device: Any) -> tuple[str, list[Measurement]]:
+def run(model: Any, measurer: Measurer, device: Any,
+        remeasure: bool = True) -> tuple[str, list[Measurement]]:
     """Measure ``model`` at its sizes with each method: (HTML, measurements). A size that is
     not measured (too large for the memory available, a method with no form for the model,
-    or measuring failed) gets a row saying why, and the others are still measured."""
+    or measuring failed) gets a row saying why, and the others are still measured.
+    ``remeasure``: the readings cached for these sizes are dropped and taken again (one bad
+    reading is not kept forever); False: cached readings are shown as they are."""
     try:
         unet, run_block = host.measurable(model)
     except UnsupportedModelError as e:
         narrate.console(f"ToMe: Measure now: {str(e).removeprefix('ToMe: ')}")
         return f"<p>{html.escape(str(e))}; nothing to measure.</p>", []
-    found = survey(unet, sizes_for(model), measurer, run_block, device, A.DEFAULT)
+    found = survey(unet, sizes_for(model), measurer, run_block, device, A.DEFAULT,
+                   remeasure=remeasure)
     return render(found), found.found
 
 
@@ -115,13 +120,13 @@ def settings_component(**kwargs: Any) -> Any:
     button = gr.Button("Measure now", elem_id=BUTTON_ID)
     text = gr.HTML(elem_classes="settings-info", **kwargs)
     out = gr.HTML(elem_id=RESULT_ID)
-    button.click(fn=page, outputs=[out])
+    button.click(fn=lambda: page(), outputs=[out])
     return text
 
 
-def page() -> str:
-    """The button's answer: measure the loaded model under the queue lock; the HTML says what
-    went wrong where nothing was measured (one console line)."""
+def page(remeasure: bool = True) -> str:
+    """The button's answer: measure the loaded model (again) under the queue lock; the HTML
+    says what went wrong where nothing was measured (one console line)."""
     from modules.call_queue import queue_lock
 
     with queue_lock:
@@ -130,7 +135,8 @@ def page() -> str:
             if model is None:
                 narrate.console(f"ToMe: Measure now: {why}")
                 return f"<p>ToMe: {html.escape(why)}.</p>"
-            text, _ = run(model, host.measuring_service(), host.compute_device(model))
+            text, _ = run(model, host.measuring_service(), host.compute_device(model),
+                          remeasure)
         except Exception as e:  # noqa: BLE001 (said to the user; the WebUI stays up)
             why = f"{type(e).__name__}: {e}"
             narrate.console(f"ToMe: Measure now failed: {why}")
@@ -138,9 +144,9 @@ def page() -> str:
     return text
 
 
-def measure_loaded() -> dict[str, str]:
+def measure_loaded(remeasure: bool = True) -> dict[str, str]:
     """``{"html": ...}``: what the button shows (the API route's answer)."""
-    return {"html": page()}
+    return {"html": page(remeasure)}
 
 
 def host_api(app: Any) -> Any:
@@ -179,9 +185,10 @@ def register_api(demo: Any, app: Any) -> None:
 
 
 async def measure_api(request: Request) -> dict[str, str]:
-    """``POST /tome/measure``: a JSON object (``{}``; no keys yet), so a cross-site form or
-    ``text/plain`` post, which a browser sends without asking, is refused (415) before anything
-    runs; the measuring runs in a worker thread."""
+    """``POST /tome/measure``: a JSON object (``{}``, or ``{"remeasure": false}`` to show the
+    cached readings as they are), so a cross-site form or ``text/plain`` post, which a browser
+    sends without asking, is refused (415) before anything runs; the measuring runs in a
+    worker thread."""
     from fastapi import HTTPException
     from starlette.concurrency import run_in_threadpool
 
@@ -195,6 +202,12 @@ async def measure_api(request: Request) -> dict[str, str]:
         raise HTTPException(400, f"ToMe: {ROUTE}: the body is not JSON ({e})") from None
     if not isinstance(body, dict):
         raise HTTPException(422, f"ToMe: {ROUTE} takes a JSON object, e.g. {{}}")
-    if body:
-        raise HTTPException(422, f"ToMe: {ROUTE}: unknown setting(s) {sorted(body)}")
-    return await run_in_threadpool(measure_loaded)
+    unknown = sorted(set(body) - {"remeasure"})
+    if unknown:
+        raise HTTPException(422, f"ToMe: {ROUTE}: unknown setting(s) {unknown}; known: "
+                                 "['remeasure']")
+    remeasure = body.get("remeasure", True)
+    if not isinstance(remeasure, bool):
+        raise HTTPException(422, f"ToMe: {ROUTE}: remeasure={remeasure!r}: expected true or "
+                                 "false")
+    return await run_in_threadpool(measure_loaded, remeasure)
