@@ -105,6 +105,8 @@ def test_a_mistyped_setting_is_a_value_error_naming_it_and_the_close_name(unet):
         tome.apply_patch(unet, config=preset("fast"), downsample_facter=4)
     with pytest.raises(ValueError, match="config=.*must be a ToMeConfig"):
         tome.apply_patch(unet, config={"ratio": 0.5})
+    with pytest.raises(ValueError, match="measure=0: must be True, False or a measuring"):
+        tome.apply_patch(unet, policy="auto", measure=0)  # 0 is not False: it would measure
     assert not tome.is_patched(unet) and snapshot(unet) == before
     assert torch.equal(run(unet, x, t, c), ref)
     with pytest.raises(ValueError, match=r"\['ratoi'\] \(did you mean 'ratio'\?\)"):

@@ -65,6 +65,9 @@ def apply_patch(model: Any, ratio: float = 0.5, max_downsample: int | None = Non
     before anything changes.
     """
     _config.check_names(extra, [*_config.FIELDS, "config", "measure"])
+    if not isinstance(measure, bool) and not hasattr(measure, "for_model"):
+        raise ValueError(f"ToMe: invalid measure={_config.shown(measure)}: must be True, False "
+                         "or a measuring service (tome.measurements.Measurer)")
     if config is not None and not isinstance(config, ToMeConfig):
         raise ValueError(f"ToMe: invalid config={_config.shown(config)}: must be a ToMeConfig "
                          "(tome.preset(name) or tome.ToMeConfig(...))")
