@@ -60,22 +60,26 @@ def sample(patcher):
         return dit_sample(patcher, noise, ctx, sigmas)
 
 
-@pytest.mark.parametrize("settings, named", [
-    ({"blocks": "9-12"}, "blocks='9-12'"),
-    ({"schedule": "7-9:4"}, "schedule='7-9:4'"),
+NAMES_NONE = ("ToMe: {} names no block of this DiT (it has blocks 0-3, double-stream first); "
+              "nothing is pooled")
+
+
+@pytest.mark.parametrize("settings, why", [
+    ({"blocks": "9-12"}, NAMES_NONE.format("blocks='9-12'")),
+    ({"schedule": "7-9:4"}, NAMES_NONE.format("schedule='7-9:4'")),
+    ({"schedule": "all:1"}, "ToMe: these settings change nothing (every block at x1)"),
     ({"schedule": "double:2", "blocks": "9"}, None),  # the schedule wins: it names blocks
 ])
-def test_settings_naming_no_block_pass_through_with_their_line(lines, settings, named):
+def test_settings_naming_no_block_pass_through_with_their_line(lines, settings, why):
     base = flux_model()
     ref = sample(base)
     (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, **settings))
-    if named is None:
+    if why is None:
         assert out is not base and override.carried(out)
         assert not torch.equal(sample(out), ref)
         return
     assert out is base and not override.carried(base) and getattr(base, mp.MARK, None) is None
-    assert lines == [f"ToMe: {named} names no block of this DiT (it has blocks 0-3, "
-                     f"double-stream first); nothing is pooled; {nodes.PASSES}"]
+    assert lines == [f"{why}; {nodes.PASSES}"]
     assert torch.equal(sample(out), ref)
 
 
