@@ -91,6 +91,27 @@ def test_the_estimate_equals_what_reuse_holds_after_its_refreshes():
         tome.remove_patch(model)
 
 
+@pytest.mark.parametrize("family,blocks,size", [
+    ("flux", (2, 2), "256"), ("sd3", (2, 0), "256"), ("qwen", (2, 0), "256"),
+    ("wan", (2, 0), "128x96x9")])
+def test_the_estimate_is_what_each_family_holds(family, blocks, size):
+    """Joint attention (Flux's double and single blocks, Qwen-Image), SD3.5's image-only
+    second attention, Wan's self-attention over a video: after two refreshes each holds what
+    the budget estimated at its first call."""
+    from tome.lab import dit_shapes
+    model = dit_shapes.build(family, blocks, True, torch.float32)
+    tome.apply_patch(model, config=preset("quality", policy="fixed", reuse=1))
+    try:
+        st = vars(model)[STATE_ATTR]
+        with torch.no_grad():
+            for t in (0.9, 0.8):
+                model(**dit_shapes.inputs(model, family, dit_shapes.Size.parse(size),
+                                          torch.float32, True, t=t))
+        assert st.reuse.held_bytes() == st.budget.need > 0
+    finally:
+        tome.remove_patch(model)
+
+
 def test_a_second_call_per_step_is_counted_before_it_keeps_anything(monkeypatch):
     """True CFG calls the model twice per step: the second call is a call identity of its
     own, counted (and checked) at its first call; here the memory fits one call's residuals

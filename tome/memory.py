@@ -263,10 +263,22 @@ def attention_parts(layout: Any, blocks: Sequence[int], config: Any) -> list[tup
                 or family.shadow is not None
             width = getattr(a, "inner_dim", None)
             if not isinstance(width, int):
-                q = getattr(a, "to_q", None)
-                width = q.out_features if isinstance(q, nn.Linear) else channels(b.module)
+                width = _width(a, b.module)
             out.append((i, joint, int(width), n))
     return out
+
+
+def _width(attn: nn.Module, block: nn.Module) -> int:
+    """An attention's output width without ``inner_dim``: its query projection's, else the
+    block's, else its widest linear (errs high)."""
+    q = getattr(attn, "to_q", None)
+    if isinstance(q, nn.Linear):
+        return q.out_features
+    try:
+        return channels(block)
+    except (UnsupportedModelError, AttributeError):
+        return max((m.out_features for m in block.modules() if isinstance(m, nn.Linear)),
+                   default=1)
 
 
 def call_parts(specs: Sequence[tuple], layout: Any, x: torch.Tensor, size: tuple[int, ...],
