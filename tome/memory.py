@@ -393,11 +393,13 @@ class ReuseBudget:
             self.say(f"ToMe: residual reuse would keep {amount(full)} with "
                      f"{amount(free or 0)} free on {x.device.type}: "
                      + (f"it keeps {keep.words()} ({amount(need)})" if keep.blocks != 0 else
-                        "it is off, the settings' point without reuse runs"))
+                        f"it is off, {self.fallback.describe()} runs (the settings' "
+                        "point without reuse)"))
         self.said = keep if keep != Keep() else None
 
     def words(self) -> str:
-        """``reuse keeps 3.0 GiB (residual + slope)``; ``reuse off (not enough memory)``."""
+        """``reuse keeps 3.0 GiB (residual + slope)``; ``reuse off (not enough memory): x2 in
+        single blocks, steps 0.3-1`` (what runs instead)."""
         if self.keep.blocks == 0:
-            return "reuse off (not enough memory)"
+            return f"reuse off (not enough memory): {self.fallback.describe()}"
         return f"reuse keeps {amount(self.need)} ({self.keep.words()})"
