@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import dit, merge
+from . import dit
 
 
 def channel_width(head_dim: int, multiple: int = 8) -> int:
@@ -88,42 +88,70 @@ class Reuse:
     """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): a pooled
     block's attention also runs unpooled on a refresh and keeps ``r = full - pooled``; the
     calls between add ``r`` to the pooled output, extrapolated linearly from the last two
-    refreshes once there are two (``r + slope * d``, ``d`` = steps since the refresh, at most
-    N; measured 1.5 dB closer than the plain residual at the same speed, docs/quality.md#dit).
+    refreshes (``r + slope * d``, ``d`` = steps since the refresh, at most N; the slope is 0
+    until there are two; measured 1.5 dB closer than the plain residual at the same speed,
+    docs/quality.md#dit).
 
-    Kept per block, factor and *call identity*: the host's own (cond/uncond) where it gives
-    one, else the batch rows and the call's place among the calls of its noise level with
-    the same rows (so a batch that drops its uncond on some steps, or Heun's extra calls,
-    find their own residuals). An identity refreshes when it has nothing kept or its last
-    refresh is N steps old (a step the host skipped is caught up). Tied to one generation
-    and grid: ``reset`` at the host's run start (the adapters call it), and on a new grid or
-    progress going back. ``keep`` (``Keep``) says what is kept; the adapters free it all at
-    a generation's end, on errors and on removal. Memory: ``held_bytes``."""
+    Kept per block part, factor and *call identity*: the host's own (cond/uncond) where it
+    gives one, else the batch rows and the call's place among the calls of its noise level
+    with the same rows (so a batch that drops its uncond on some steps, or Heun's extra
+    calls, find their own residuals). An identity refreshes when it has nothing kept or its
+    last refresh is N steps old (a step the host skipped is caught up). Tied to one
+    generation and grid: ``reset`` at the host's run start (the adapters call it), and on a
+    new grid or progress going back. ``keep`` (``Keep``) says what is kept; the adapters
+    free it all at a generation's end, on errors and on removal. Memory: ``held_bytes``.
+
+    Compiled blocks (``torch.compile``, fullgraph): everything a block reads is decided on
+    the host before the call (``begin``: ``active``, ``refresh``, the step as a CPU scalar
+    tensor ``now``, each part's residuals for this identity in ``part.reuse_cur``), so a
+    block's graph guards on a few flags only (nothing kept yet, refresh, reuse) and steps
+    and identities do not recompile."""
 
     def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
         self.every, self.keep, self.extrapolate = every, keep, extrapolate
         self.order: tuple[int, ...] = ()  # pooled blocks' indices (``Keep.blocks`` counts here)
+        self.parts: list[Any] = []        # the block parts that keep residuals (``join``)
         self.reset()
 
     # ---------------------------------------------------------------- host side, per call
 
+    def join(self, part: Any) -> None:
+        """A block part (``part.index``: its block) whose calls go through ``around``: its
+        residuals live on it (``reuse_kept``: identity -> factor -> (r, slope, at))."""
+        part.reuse_kept, part.reuse_cur = {}, None
+        part.reuse_on = self.keeps(part.index)
+        self.parts.append(part)
+
     def reset(self) -> None:
         """Drop everything kept and start counting steps again (a host's run start, a
         generation's end, an error, removal)."""
-        self.kept: dict[tuple, tuple] = {}
+        for part in self.parts:
+            part.reuse_kept, part.reuse_cur = {}, None
         self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
         self.seen: dict[tuple, int] = {}    # (rows, host identity) -> calls at this noise level
         self.step, self.last, self.grid = -1, None, None
         self.who: tuple | None = None       # this call's identity; None: no reuse in this call
-        self.refresh = False
+        self.active = self.refresh = False
+        self.now = torch.zeros(())          # the step, as a CPU scalar (a graph input)
 
     def set_keep(self, keep: Keep) -> None:
         """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
         refreshes at its next call; the current call too, where it reuses)."""
-        self.keep, self.kept, self.at = keep, {}, {}
+        self.keep, self.at = keep, {}
+        for part in self.parts:
+            part.reuse_kept = {}
+            part.reuse_on = self.keeps(part.index)
+            part.reuse_cur = None if self.who is None else part.reuse_kept.setdefault(self.who, {})
         self.refresh = self.who is not None
+        self.active = self.active and keep.blocks != 0
         if self.who is not None:
             self.at[self.who] = self.step
+
+    @property
+    def kept(self) -> dict[tuple, tuple]:
+        """What is kept now: (block index, part, factor, identity) -> (r, slope, at)."""
+        return {(part.index, id(part), f, who): t for part in self.parts
+                for who, by in part.reuse_kept.items() for f, t in by.items()}
 
     def held_bytes(self) -> int:
         """Bytes kept now (the residuals and slopes)."""
@@ -133,7 +161,7 @@ class Reuse:
         """One model call at sampling progress ``p`` (0 at the first step) with ``rows`` batch
         rows on latent ``grid`` (frames, h, w); ``who``: the host's identity of the call
         (e.g. ComfyUI's cond_or_uncond), where it gives one."""
-        self.who = None
+        self.who, self.active = None, False
         if not self.every or self.keep.blocks == 0:
             return
         if grid != self.grid or (self.last is not None and p < self.last):
@@ -141,13 +169,17 @@ class Reuse:
             self.grid = grid
         if p != self.last:
             self.step, self.last, self.seen = self.step + 1, p, {}
+            self.now = torch.tensor(float(self.step))
         ident = (rows, who)
         n = self.seen[ident] = self.seen.get(ident, -1) + 1
-        self.who = (rows, who, n)
-        at = self.at.get(self.who)
+        who = self.who = (rows, who, n)
+        at = self.at.get(who)
         self.refresh = at is None or self.step - at >= self.every
         if self.refresh:
-            self.at[self.who] = self.step
+            self.at[who] = self.step
+        for part in self.parts:
+            part.reuse_cur = part.reuse_kept.setdefault(who, {})
+        self.active = True
 
     # ---------------------------------------------------------------- in the block
 
@@ -159,20 +191,26 @@ class Reuse:
                span: tuple[int, int] | None = None) -> torch.Tensor:
         """The one guard of every family's maths: a pooled attention output ``out`` (the
         sequence on ``dim``; ``span``: the image rows, start and stop) plus its kept residual,
-        or on a refresh (or with nothing kept for ``key``) ``full()``, keeping ``full - out``
-        per ``keep``. ``full(rows=None)``: the unpooled attention (of the first ``rows`` query
-        rows only, where given: the auto policy times a refresh's share with it). ``key``:
-        (block index, part, factor). Outside a call with reuse: ``out``."""
-        if self.who is None or not self.keeps(key[0]) or merge.compiling():
+        or on a refresh (or with nothing kept for this part and factor) ``full()``, keeping
+        ``full - out`` per ``keep``. ``full(rows=None)``: the unpooled attention (of the first
+        ``rows`` query rows only, where given: the auto policy times a refresh's share with
+        it). ``key``: (part, factor), the part ``join``ed. Outside a call with reuse: ``out``."""
+        if not self.active:
             return out
-        key = key + (self.who,)
-        kept = self.kept.get(key)
+        part, factor = key
+        if getattr(part, "reuse_on", None) is None:  # a part no adapter joined (a test's)
+            self.join(part)
+            part.reuse_cur = part.reuse_kept.setdefault(self.who, {})
+        if not part.reuse_on:
+            return out
+        cur = part.reuse_cur
+        kept = cur.get(factor)
         image = span if self.keep.image_only and span is not None else None
         if kept is not None and not self.refresh:
             r, slope, at = kept
             add = r.to(out.dtype)
             if slope is not None:
-                add = add + slope.to(out.dtype) * float(min(self.step - at, self.every))
+                add = add + slope.to(out.dtype) * (self.now - at).clamp(max=self.every)
             if image is None:
                 return out + add
             a, b = image
@@ -183,11 +221,12 @@ class Reuse:
         if image is not None:  # a copy: a view would hold all of ``full - out``
             r = r.narrow(dim, image[0], image[1] - image[0]).clone()
         slope = None
-        if kept is not None and self.extrapolate and self.keep.slope and self.step > kept[2]:
-            slope = (r - kept[0].to(r.dtype)) / float(self.step - kept[2])
+        if self.extrapolate and self.keep.slope:
+            slope = torch.zeros_like(r) if kept is None else \
+                (r - kept[0].to(r.dtype)) / (self.now - kept[2]).clamp(min=1)
         dt = self.keep.dtype
-        self.kept[key] = (r if dt is None else r.to(dt),
-                          slope if slope is None or dt is None else slope.to(dt), self.step)
+        cur[factor] = (r if dt is None else r.to(dt),
+                       slope if slope is None or dt is None else slope.to(dt), self.now)
         return f
 
 
@@ -223,7 +262,7 @@ def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
         return out
     # the full keys (rotated) only where a refresh runs the unpooled attention
     return wrapper.source.reuse.around(
-        (wrapper.index, id(wrapper), plan.factor), out,
+        (wrapper, plan.factor), out,
         lambda rows=None: kernel(q if rows is None else q.narrow(dim, 0, rows),
                                  k if emb is None else rotate(k, emb), v, None),
         dim, (start, start + plan.tokens))

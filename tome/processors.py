@@ -55,6 +55,14 @@ class _State:
         self.budget: memory.ReuseBudget | None = None  # what reuse may keep (``apply``)
         self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
+        self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
+
+    def push(self) -> None:
+        """Set each wrapper's plan for this call (``PoolingProcessor.current``) on the host:
+        a compiled block then reads its own attribute, and its graph guards on the plan, not
+        on the block's index (one graph for every block, steps and identities alike)."""
+        for part in self.parts:
+            part.current = None if self.plan is None else self.plan_for(part.index, part.kind)
 
     def plan_for(self, index: int, kind: str) -> dit.DitPlan | None:
         """Block ``index``'s plan in this call: the schedule's factor for it now, or None."""
@@ -82,6 +90,7 @@ class _Hooks:
         st.plan = None
         if st.removed or st.family.call is None:  # removed while torch held this call's hooks
             return
+        st.push()  # no plan until this call's is known (a call that raised left its own)
         d = st.layout.dit
         got = st.family.call(d, args, kwargs, st.memo)
         if got is None:
@@ -103,9 +112,11 @@ class _Hooks:
                 st.reuse.begin(st.p, x.shape[0], tuple(size))
                 if st.budget is not None:  # what reuse will keep, checked before it keeps it
                     st.schedule = st.budget.begin(x, size, st.text, st.p)
+        st.push()
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plan = None
+        self.state.push()
 
 
 # ----------------------------------------------------------------------------- processors
@@ -138,10 +149,13 @@ class PoolingProcessor:
         self.maths = maths if maths is not None else _maths_of(original)
         self.index, self.kind = index, kind
         self._extra = self.maths is not None and _takes_extra(self.maths)
+        # a patch's state sets this call's plan on the wrapper (``_State.push``); other
+        # sources (measuring) are asked
+        self.pushed, self.current = False, None
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
-        plan = self.source.plan_for(self.index, self.kind)
+        plan = self.current if self.pushed else self.source.plan_for(self.index, self.kind)
         if plan is not None and self.maths is not None:
             named = dict(zip(self._names, args), **kwargs)
             ehs = named.pop("encoder_hidden_states", None)
@@ -340,6 +354,12 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
         for i, b in targets:
             state.wrapped += _wrap(b.module, family, state, i, b.kind)
+        for *_, ours in state.wrapped:  # the parts that keep residuals (on themselves)
+            if hasattr(ours, "index"):
+                state.reuse.join(ours)
+            if isinstance(ours, PoolingProcessor):
+                ours.pushed = True
+                state.parts.append(ours)
         if config.reuse:
             state.wrapped += _bracket(model)
         setattr(root, STATE_ATTR, state)

@@ -89,7 +89,7 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     kernel = _kernel(wrapper.original, attention_mask, n)
     out = kernel(q, jk, jv, plan.bias(start, n + t, q.device))
     out = wrapper.source.reuse.around(
-        (wrapper.index, id(wrapper), plan.factor), out,
+        (wrapper, plan.factor), out,
         lambda rows=None: kernel(q if rows is None else q[:, :rows],
                                  torch.cat([rotate(kv, emb), ek], 1), torch.cat([v, ev], 1), None),
         1, (start, n))

@@ -92,7 +92,7 @@ class PostAttention:
         if plan is not None and plan.biased:
             x = x.unflatten(-1, (self.heads, -1))[..., :self.shared["d"]].flatten(2)
         if plan is not None and "image" in self.shared:
-            x = self.source.reuse.around((self.index, id(self), plan.factor), x, self._full,
+            x = self.source.reuse.around((self, plan.factor), x, self._full,
                                          1, (0, x.shape[1]) if self.image else (0, 0))
         if self.image:  # the block's last call: nothing kept past it
             for key in ("text", "image", "full"):

@@ -102,7 +102,7 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     kernel = _kernel(wrapper.original, encoder_hidden_states_mask)
     out = kernel(jq, jk, jv, plan.bias(t, n, q.device))
     out = wrapper.source.reuse.around(
-        (wrapper.index, id(wrapper), plan.factor), out,
+        (wrapper, plan.factor), out,
         lambda rows=None: kernel(jq if rows is None else jq[:, :rows],
                                  torch.cat([ek, rotate(k, img)], 1), torch.cat([ev, v], 1), None),
         1, (t, t + plan.tokens))
