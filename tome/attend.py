@@ -102,10 +102,10 @@ class Reuse:
     free it all at a generation's end, on errors and on removal. Memory: ``held_bytes``.
 
     Compiled blocks (``torch.compile``, fullgraph): everything a block reads is decided on
-    the host before the call (``begin``: ``active``, ``refresh``, the step as a CPU scalar
-    tensor ``now``, each part's residuals for this identity in ``part.reuse_cur``), so a
-    block's graph guards on a few flags only (nothing kept yet, refresh, reuse) and steps
-    and identities do not recompile."""
+    the host before the call (``begin``: ``active``, ``refresh``, the step as a 0-dim tensor
+    ``now`` on the call's device, each part's residuals for this identity in
+    ``part.reuse_cur``), so a block's graph guards on a few flags only (nothing kept yet,
+    refresh, reuse) and steps and identities do not recompile."""
 
     def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
         self.every, self.keep, self.extrapolate = every, keep, extrapolate
@@ -132,7 +132,7 @@ class Reuse:
         self.step, self.last, self.grid = -1, None, None
         self.who: tuple | None = None       # this call's identity; None: no reuse in this call
         self.active = self.refresh = False
-        self.now = torch.zeros(())          # the step, as a CPU scalar (a graph input)
+        self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
 
     def set_keep(self, keep: Keep) -> None:
         """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
@@ -157,10 +157,12 @@ class Reuse:
         """Bytes kept now (the residuals and slopes)."""
         return sum(t.nbytes for kept in self.kept.values() for t in kept[:2] if t is not None)
 
-    def begin(self, p: float, rows: int, grid: tuple[int, ...], who: Any = None) -> None:
+    def begin(self, p: float, rows: int, grid: tuple[int, ...], who: Any = None,
+              device: Any = None) -> None:
         """One model call at sampling progress ``p`` (0 at the first step) with ``rows`` batch
         rows on latent ``grid`` (frames, h, w); ``who``: the host's identity of the call
-        (e.g. ComfyUI's cond_or_uncond), where it gives one."""
+        (e.g. ComfyUI's cond_or_uncond), where it gives one; ``device``: the call's (the
+        step is filled there, a kernel argument: no copy from the host, no sync)."""
         self.who, self.active = None, False
         if not self.every or self.keep.blocks == 0:
             return
@@ -169,7 +171,7 @@ class Reuse:
             self.grid = grid
         if p != self.last:
             self.step, self.last, self.seen = self.step + 1, p, {}
-            self.now = torch.tensor(float(self.step))
+            self.now = torch.full((), float(self.step), device=device)
         ident = (rows, who)
         n = self.seen[ident] = self.seen.get(ident, -1) + 1
         who = self.who = (rows, who, n)
@@ -206,6 +208,9 @@ class Reuse:
         cur = part.reuse_cur
         kept = cur.get(factor)
         image = span if self.keep.image_only and span is not None else None
+        if kept is not None and kept[0].shape != (out.shape if image is None else out.narrow(
+                dim, image[0], image[1] - image[0]).shape):
+            kept = None  # another text length under the same identity: start again
         if kept is not None and not self.refresh:
             r, slope, at = kept
             add = r.to(out.dtype)

@@ -109,7 +109,7 @@ class _Hooks:
                 # The one host read of a call (as the planner's window), only where needed.
                 tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
                 st.p = 1.0 - tv / _plan.NUM_TRAIN_TIMESTEPS
-                st.reuse.begin(st.p, x.shape[0], tuple(size))
+                st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
                 if st.budget is not None:  # what reuse will keep, checked before it keeps it
                     st.schedule = st.budget.begin(x, size, st.text, st.p)
         st.push()
