@@ -614,6 +614,29 @@ def test_not_pooled_after_a_sampling_says_why(lines, monkeypatch):
     assert lines[told:] == [] and getattr(ours, mp.MARK).counts()[-1] == 4
 
 
+def test_the_line_after_a_sampling_starts_on_its_own_line_in_a_log(monkeypatch):
+    """In ComfyUI's log (stdout and stderr into one file, each buffered on its own) the line
+    said after a sampling used to continue the closed bar's (``3/3 [00:04<00:00,
+    1.47s/it]ToMe: not pooled ...``): the bar's last newline was still in stderr's buffer."""
+    import io
+
+    from tqdm import tqdm
+
+    from tome import console
+    log = io.BytesIO()
+    shared = io.BufferedWriter(log)
+    out, err = (io.TextIOWrapper(shared, encoding="utf-8", write_through=False)
+                for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    for _ in tqdm(range(3), file=err):
+        pass
+    console.line("ToMe: not pooled")
+    err.flush()
+    text = log.getvalue().decode()
+    assert "3/3" in text and text.endswith("]\nToMe: not pooled\n")
+
+
 def test_merge_on_a_dit_passes_through_with_one_line(lines):
     base = dit_model()
     (out,) = nodes.ToMePatch().patch(base, **defaults(method="merge"))

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def line(text: str) -> None:
     """Print ``text`` on a line of its own. While a sampler's progress bar (tqdm) is drawn,
     its line is finished first (a newline on the bar's stream), so the text never continues
-    the bar's, in a terminal or in a log file; the bar redraws below it."""
+    the bar's, in a terminal or in a log file; the bar redraws below it. What stderr holds is
+    written first: a bar that just closed leaves its newline there unflushed (ComfyUI's log
+    after a sampling)."""
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
     try:
         from tqdm import tqdm
         streams = {id(fp): fp for bar in list(getattr(tqdm, "_instances", ()))
