@@ -27,8 +27,8 @@ from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
 from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
 from stubs import fake_clock  # noqa: E402
 
-from tome import override  # noqa: E402
-from tome import patcher as mp  # noqa: E402
+from tome import modelpatcher as mp  # noqa: E402
+from tome import override, percall  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
 from tome.config import FIELDS, ToMeConfig, choices, preset  # noqa: E402
 
@@ -521,7 +521,7 @@ def test_calls_a_family_cannot_place_are_not_pooled():
     flux = SimpleNamespace(patch_size=2)
     assert flux_spans(flux, torch.zeros(1, 16, 7, 9), torch.zeros(1, 5, 12),
                       {"ref_latents": [torch.zeros(1, 16, 4, 4)]}) == \
-        override.Spans(5, True, 0, 1, 4, 5, 4)
+        percall.Spans(5, True, 0, 1, 4, 5, 4)
     assert flux_spans(flux, torch.zeros(1, 16, 8, 8), None, {}) is None
 
 
@@ -827,90 +827,6 @@ def test_comfy_qwen_image_and_wan_are_read_as_dits():
     qwen, wan = (layout.read(dit_model(f).model) for f in ("qwen", "wan"))
     assert qwen.family == "comfy qwen-image" and [b.kind for b in qwen.blocks] == ["double"] * 2
     assert wan.family == "comfy wan" and len(wan.blocks) == 2 and wan.dit.patch == 2
-
-
-# ------------------------------------------ the attn1 DiT form (patcher.py; no longer chosen)
-
-def flux_model(calls_patches=True, rope_always=False):
-    """The upstream attn1 DiT call form's stand-in (``comfy/flux.py``)."""
-    from comfy.flux import FluxModel
-    torch.manual_seed(0)
-    m = torch.nn.Module()
-    m.diffusion_model = FluxModel(calls_patches=calls_patches, rope_always=rope_always).eval()
-    m.model_sampling = ModelSamplingFlux(shift=1.15)
-    return ModelPatcher(m)
-
-
-def flux_run(patcher, sigma=0.8, size=(16, 24), seed=0):
-    from comfy.flux import flux_call
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 4, *size, generator=g)
-    ctx = torch.randn(2, 5, 12, generator=g)
-    with torch.no_grad():
-        return flux_call(patcher, x, ctx, sigma)
-
-
-def attn1_form(base, **changes):
-    from tome import layout
-    return mp.patch_dit(base, layout.read(base.model), ToMeConfig(**{**FIXED, **changes}))[0]
-
-
-@pytest.mark.parametrize("rope", ["pooled", "before"])
-def test_the_attn1_form_answers_a_host_that_rotates_what_it_returns(rope):
-    """Upstream ComfyUI's Qwen-Image rotates q and k by the returned ``pe`` with no None
-    check: the answer must be valid there too, and give the bits of a host that checks."""
-    checks = attn1_form(flux_model(), rope=rope)
-    always_base = flux_model(rope_always=True)
-    always = attn1_form(always_base, rope=rope)
-    out = flux_run(always, size=(16, 16))  # no latent size given: a square grid is read
-    assert torch.isfinite(out).all() and not torch.equal(out, flux_run(always_base, size=(16, 16)))
-    assert torch.equal(out, flux_run(checks, size=(16, 16)))
-
-
-def test_dit_patch_matches_a_hand_written_reference():
-    """The DiT call form's answer against the maths: pooled cell means, and rotations
-    written out as complex multiplications by ``exp(i * position * theta^(-2j/d))`` per axis
-    (not the stand-in's or the library's 2x2 matrices), of the mean positions for
-    rope="pooled"."""
-    from comfy.flux import PosEmbed
-
-    axes = (4, 6, 6)
-
-    def rotate(x, ids):  # x [B, H, S, D], ids [B, S, 3]
-        angles = []
-        for i, d in enumerate(axes):
-            freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-            angles.append(ids[..., i].double()[..., None] * freqs)
-        turn = torch.polar(torch.ones(1, dtype=torch.float64), torch.cat(angles, -1))
-        pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
-        return torch.view_as_real(pairs * turn[:, None]).flatten(-2).float()
-
-    from tome import layout as lay
-    flux = flux_model().model.diffusion_model
-    h, w, t = 4, 6, 3
-    ids = torch.zeros(1, t + h * w, 3)
-    ids[0, t:, 1] = torch.arange(h).repeat_interleave(w).float()
-    ids[0, t:, 2] = torch.arange(w).repeat(h).float()
-    pe = PosEmbed((4, 6, 6))(ids)
-    q, k, v = (torch.randn(1, 2, t + h * w, 16) for _ in range(3))
-
-    def pool(x):  # [B, H, S, D]: cell means by loops
-        img = x[:, :, t:].reshape(1, x.shape[1], h, w, -1)
-        cells = [img[:, :, i:i + 2, j:j + 2].mean((2, 3)) for i in range(0, h, 2)
-                 for j in range(0, w, 2)]
-        return torch.cat([x[:, :, :t], torch.stack(cells, 2)], 2)
-
-    mean_ids = torch.cat([ids[:, :t], pool(ids[:, None])[:, 0, t:]], 1)
-    for rope, expect_k in (("before", pool(rotate(k, ids))),
-                           ("pooled", rotate(pool(k), mean_ids))):
-        patch = mp.DitAttn1Patch(ToMeConfig(method="downsample", rope=rope), lay.read(flux))
-        out = patch.attn1(q, k, v, pe=pe, attn_mask=None, extra_options={
-            "block_type": "double", "block_index": 0, "img_slice": [t, t + h * w],
-            mp.LATENT_KEY: (2 * h, 2 * w), "sigmas": torch.tensor([1.0])})
-        assert torch.equal(out["pe"], torch.eye(2).expand(1, 1, 1, 8, 2, 2))
-        torch.testing.assert_close(out["q"], rotate(q, ids), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(out["k"], expect_k, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(out["v"], pool(v))
 
 
 # ----------------------------------------------------------------------------- the step window

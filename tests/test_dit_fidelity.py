@@ -477,24 +477,3 @@ def test_a1111_sd3_reuses_residuals_through_its_shadows():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(outs[20][0], ref[0], atol=1e-5, rtol=1e-4)  # first: refresh
     assert not torch.allclose(outs[20][2], ref[2], atol=1e-4)
-
-
-def test_comfyui_dit_form_gets_the_schedule_factors_without_reuse(monkeypatch):
-    import pathlib
-    import sys
-    monkeypatch.setattr(sys, "path", [str(pathlib.Path(__file__).parent / "comfy_stub"),
-                                      *sys.path])
-    from comfy.flux import FluxModel
-
-    from tome import layout, patcher
-    lay = layout.read(FluxModel(calls_patches=True).eval())
-    n = len(lay.blocks)
-    fast = patcher.DitAttn1Patch(preset("fast", policy="fixed"), lay)
-    assert fast.factors == {i: 2 for i in range(n)}  # all:2@0.3-1, its window not seen here
-    assert {"proportional attention", "residual reuse"} <= set(fast.limits)
-    quality = patcher.DitAttn1Patch(preset("quality", policy="fixed"), lay)
-    assert [quality.factors[i] for i in range(n)] == [
-        2 if b.kind == "single" else 0 for b in lay.blocks]  # single:2@0.3-1
-    own = patcher.DitAttn1Patch(ToMeConfig(method="downsample", schedule="first:4,last:2"),
-                                lay)
-    assert own.factors == {i: 4 if i == 0 else 2 if i == n - 1 else 0 for i in range(n)}

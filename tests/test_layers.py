@@ -25,6 +25,8 @@ LAYERS = [
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.plan",),
     ("tome.report",),
+    # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
+    ("tome.modelpatcher", "tome.percall"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
      "tome.swap"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
@@ -117,7 +119,8 @@ def test_torch_minimum_is_one_number():
 def test_adapters_and_the_measurement_never_import_each_other():
     """Measuring runs a block through whichever adapter's ``run_block`` it is handed: the
     timing room stays below both adapters, and neither adapter reaches up into it."""
-    adapters = {"tome.patch", "tome.patcher", "tome.processors"}
+    adapters = {"tome.patch", "tome.patcher", "tome.processors", "tome.override", "tome.swap",
+                "tome.percall", "tome.modelpatcher"}
     measuring = {"tome.measure", "tome.measurements"}
     crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
                 if {m, d} & adapters and {m, d} & measuring]
@@ -156,3 +159,12 @@ def test_only_the_comfy_layer_imports_comfyui_and_only_lazily():
     assert not outside and not eager, (outside, eager)
     assert found["tome.comfy.host"], "the ComfyUI layer's host module is where ComfyUI is read"
     assert not [m for m, imports in found.items() if imports and m != "tome.comfy.host"]
+
+
+def test_the_per_call_shims_share_the_core_not_each_other():
+    """ComfyUI's override and Forge Neo's swap are shims over ``percall``; neither imports the
+    other or the UNet's attn1 adapter (the ModelPatcher helpers are ``modelpatcher``)."""
+    shims = {"tome.override", "tome.swap", "tome.patcher"}
+    crossing = [f"{m} -> {d}" for m in shims for d in GRAPH[m] if d in shims]
+    assert not crossing, crossing
+    assert {"tome.percall"} <= GRAPH["tome.override"] & GRAPH["tome.swap"]

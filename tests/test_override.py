@@ -1,14 +1,18 @@
-"""The attention override (``tome/override.py``) on its own: which calls it pools, what it
-hands the backend (hand-written references), chaining, the bias as a mask and as an extra
-channel, and one compiled graph per state. The node around it is in ``test_comfy.py``."""
+"""The attention override (``tome/override.py``) and the per-call core under it
+(``tome/percall.py``) on their own: which calls it pools, what it hands the backend
+(hand-written references), chaining, the bias as a mask and as an extra channel, keys
+rotated by the core, and one compiled graph per state. The node around it is in
+``test_comfy.py``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from tome import override
-from tome.override import CallState, KvPool, Spans
+from tome import percall, plan
+from tome.override import KvPool
+from tome.percall import CallState, Spans
 
 
 def backend(seen: list | None = None, masks: bool = True):
@@ -34,11 +38,8 @@ def state(text=3, h=4, w=6, frames=1, before=0, after=0, factors=(2, 2), doubles
 
 
 def call(pool, func, q, k, v, st, prev=None, **kw):
-    before = override.activate(pool, st, prev)
-    try:
+    with percall.active(pool, st, prev):
         return pool(func, q, k, v, 2, **kw)
-    finally:
-        override.restore(before)
 
 
 def cells(x, start, h, w, frames=1, dim=2):
@@ -82,11 +83,8 @@ def test_image_only_layout_b_s_hd_with_heads_as_a_keyword_and_frames():
     seen = []
     pool = KvPool()
     st = state(text=0, frames=3, factors=(2,))
-    before = override.activate(pool, st, None)
-    try:
+    with percall.active(pool, st):
         out = pool(backend(seen), q, k, v, heads=2, transformer_options={"block_index": 0})
-    finally:
-        override.restore(before)
     assert seen[0][0] == 3 * 6
     kp, vp = cells(k, 0, 4, 6, 3, dim=1), cells(v, 0, 4, 6, 3, dim=1)
     ref = backend()(q, kp, vp, 2)
@@ -166,7 +164,8 @@ def test_the_bias_as_a_mask_or_as_an_extra_channel_gives_the_same_attention():
 def test_progress_inverts_percent_to_sigma():
     shift = lambda p: 0.0 if p >= 1 else 1.15 * (1 - p) / (1 + 0.15 * (1 - p))  # noqa: E731
     for p in (0.0, 0.3, 0.5, 0.9):
-        assert abs(override.progress_of(shift(p), shift) - p) < 1e-6
+        assert abs(plan.Window.sigmas(0, 1, shift).progress(shift(p)) - p) < 1e-6
+    assert plan.Window(0, 1).progress(250) == 0.75  # a timestep window: 1 - t / 1000
 
 
 def test_compiled_calls_recompile_once_per_state_and_follow_it():
@@ -191,12 +190,53 @@ def test_compiled_calls_recompile_once_per_state_and_follow_it():
     x = torch.randn(1, 27, 16)
     states = [state(), state(), None, state(), state(factors=(4, 4)), None, state()]
     for st in states:
-        before = override.activate(pool, st, None)
-        try:
+        with percall.active(pool, st):
             to = {"optimized_attention_override": pool, "block_index": 0, "block_type": "double"}
             got = compiled(x, to)
             want = model(x, to)
-        finally:
-            override.restore(before)
         assert torch.equal(got, want)
     assert counter.frame_count == 3  # x2, unpooled, x4
+
+
+@pytest.mark.parametrize("rope", ["pooled", "before"])
+def test_keys_before_rope_are_rotated_and_pooled_per_frame(rope):
+    """Where the host rotates inside its function (a pre-RoPE ``pe``: Forge Neo's Flux), the
+    core rotates the queries and keys itself: each frame's image keys/values pooled in 2x2
+    cells of that frame (frame-major tokens), against loops and RoPE written out here as
+    complex multiplications (not the stand-in's or the library's 2x2 matrices)."""
+    import sys
+    from pathlib import Path
+    stub = str(Path(__file__).resolve().parent / "comfy_stub")
+    if stub not in sys.path:
+        sys.path.insert(0, stub)
+    from comfy.flux import PosEmbed
+    frames, h, w, text = 3, 4, 6, 3
+    n = frames * h * w
+    ids = torch.zeros(1, text + n, 3)
+    ids[0, text:] = torch.tensor([[a, i, j] for a in range(frames) for i in range(h)
+                                  for j in range(w)], dtype=torch.float32)
+    pe = PosEmbed((4, 6, 6))(ids)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, text + n, 16) for _ in range(3))
+
+    def rotate(x, ids):  # [B, H, S, D] by positions [B, S, 3], as complex numbers
+        angles = [ids[..., i].double()[..., None] * 10000.0 ** (
+            -torch.arange(0, d, 2, dtype=torch.float64) / d) for i, d in enumerate((4, 6, 6))]
+        turn = torch.polar(torch.ones(1, dtype=torch.float64), torch.cat(angles, -1))
+        pairs = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * turn[:, None]).flatten(-2).float()
+
+    def pool(x):  # [B, H, S, D]: each frame's 2x2 cell means, by loops
+        img = x[:, :, text:].reshape(*x.shape[:2], frames, h, w, -1)
+        cells = [img[:, :, a, i:i + 2, j:j + 2].mean((2, 3)) for a in range(frames)
+                 for i in range(0, h, 2) for j in range(0, w, 2)]
+        return torch.cat([x[:, :, :text], torch.stack(cells, 2)], 2)
+
+    mean_ids = torch.cat([ids[:, :text], pool(ids[:, None])[:, 0, text:]], 1)
+    expect_k = pool(rotate(k, ids)) if rope == "before" else rotate(pool(k), mean_ids)
+    st = state(text=text, frames=frames, factors=(2,))
+    out = percall.pool_call(st, 2, text, q, k, v, 2, lambda *t: t, {}, rope=rope, pe=pe)
+    assert out[1].shape[2] == text + frames * 2 * 3 and out[3] is None  # no bias: no mask
+    torch.testing.assert_close(out[0], rotate(q, ids), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1], expect_k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[2], pool(v))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from webui_stub.harness import WebUI, neo, shared
 
-from tome import adapters, override, swap
+from tome import adapters, percall, swap
 from tome.config import ToMeConfig
 from tome.dits import neo_nunchaku
 
@@ -95,14 +95,12 @@ def test_pooled_flux_call_matches_a_hand_written_reference():
         clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
             method="downsample", downsample_factor=2, rope=rope, proportional=False))
         ours = clone.model_options["model_function_wrapper"]
-        state = ours.core.begin(override.Spans(text, True, 0, 1, h, w), None, q.device, b)
+        spans = percall.Spans(text, True, 0, 1, h, w)
+        state = ours.begin(spans, None, q.device, b)
         pooled = swap.pooled(adapters.NEO["forge neo flux"].points[0])
         pooled.original = flux.attention
-        swap._call.update(state=state, rope=rope, masks=False, block=0)
-        try:
+        with ours.running(ours, spans, state):
             got = pooled(q, k, v, pe)
-        finally:
-            swap._call.update(state=None)
         rq, rk = flux.apply_rope(q, k, pe)
         if rope == "before":
             keys = cells(rk)

@@ -2,10 +2,12 @@
 
 Five adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), attention
 processors on a diffusers or A1111 DiT (``processors.py``), the ModelPatcher's attn1 patch
-of the Forge family and ComfyUI (``patcher.py``: a UNet form and ComfyUI's DiT call form), and
-ComfyUI's attention override for its DiTs (``override.py``, installed per model call by an
-``apply_model`` wrapper; each family says how a call places its tokens: ``COMFY_SPANS``);
-Forge Neo's DiTs get their attention functions swapped per model call (``swap.py``: ``NEO``).
+of the Forge family and ComfyUI for UNets (``patcher.py``), and for DiTs behind a
+ModelPatcher the per-call core (``percall.py``) through two shims: ComfyUI's attention
+override (``override.py``, installed per model call by an ``apply_model`` wrapper; each
+family says how a call places its tokens: ``COMFY_SPANS``) and Forge Neo's attention
+functions swapped per model call (``swap.py``: ``NEO``). The model's noise schedule
+(``modelpatcher.model_sampling``) is looked up here, once, and handed down.
 Which one patches a model, and how its blocks run merged when measured, is decided here and
 nowhere else, from the layout and the host's contract: plain modules (A1111, SD.Next,
 diffusers, the library) or a ModelPatcher. The library's ``apply_patch``, the WebUI's patching
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from . import override, patch, patcher, processors, swap
+from . import modelpatcher, override, patch, patcher, percall, processors, swap
 from .config import ToMeConfig
 from .dits import (
     comfy_flux,
@@ -40,15 +42,15 @@ MODULES, MODEL_PATCHER = "modules", "model patcher"
 def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
     """How a block of this model runs merged for measuring under ``contract``: the hooks' or
     the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet,
-    the per-call forms' (``override.runner``: ComfyUI's backend, or Forge Neo's kernel) for a
+    the per-call core's (``percall.runner``: ComfyUI's backend, or Forge Neo's kernel) for a
     DiT behind a ModelPatcher; None where the contract cannot time the model (a DiT family
     neither form knows: the auto policy's token thresholds decide there)."""
     if contract == MODEL_PATCHER:
         if layout.dit is None:
             return patcher.run_block
         if layout.family in NEO:
-            return override.runner(swap.KERNEL)
-        return override.runner() if layout.family in COMFY_SPANS else None
+            return percall.runner(swap.KERNEL)
+        return percall.runner(override.COMFY_KERNEL) if layout.family in COMFY_SPANS else None
     return processors.runner(layout) if layout.dit is not None else patch.run_block
 
 
@@ -129,26 +131,32 @@ def flush() -> None:
 def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
                         sampling_patcher: Callable[[], Any] | None = None,
                         measurer: Any = None) -> tuple[Any, PatchReport]:
-    """A ModelPatcher clone carrying our attn1 patch (``patcher.py``), and the report: the
-    UNet form with its measuring runner, or ComfyUI's DiT call form. A patcher that already
-    carries ours is returned with its report (Forge may patch one pass twice)."""
-    done = getattr(unet_patcher, patcher.MARK, None)
+    """A ModelPatcher clone carrying our patch, and the report: the attn1 patch
+    (``patcher.py``) with its measuring runner on a UNet; on a DiT the per-call core through
+    Forge Neo's swap or ComfyUI's override (a DiT neither reaches passes through with the
+    report's ``nothing``). A patcher that already carries ours is returned with its report
+    (Forge may patch one pass twice)."""
+    done = getattr(unet_patcher, modelpatcher.MARK, None)
     if done is not None:
         return unet_patcher, done.report
     layout = read(getattr(unet_patcher, "model", None))
+    sampling = modelpatcher.model_sampling(unet_patcher)
     if layout.dit is not None:
+        convert = modelpatcher.percent_to_sigma(sampling)
         if layout.family in NEO:
-            done = swap.patch(unet_patcher, layout, NEO[layout.family], config)
+            done = swap.patch(unet_patcher, layout, NEO[layout.family], config, convert)
             return _measured(done, layout, measurer)
         spans = COMFY_SPANS.get(layout.family)
         if spans is not None and hasattr(unet_patcher, "add_wrapper_with_key"):
-            sampling = patcher.model_sampling(unet_patcher)
-            done = override.patch(unet_patcher, layout, config, spans,
-                                  getattr(sampling, "percent_to_sigma", None))
+            done = override.patch(unet_patcher, layout, config, spans, convert)
             return _measured(done, layout, measurer)
-        return patcher.patch_dit(unet_patcher, layout, config)
+        report = PatchReport.of(layout, config, override.ADAPTER)
+        report.unmergeable = report.unmergeable or (
+            f"ToMe: this host offers no per-call form for a {layout.family} DiT (ComfyUI "
+            "0.3.60 or later, Forge Neo), so nothing is pooled")
+        return unet_patcher, report
     return patcher.patch_unet(unet_patcher, layout, config, sampling_patcher, measurer,
-                              runner(layout, MODEL_PATCHER))
+                              runner(layout, MODEL_PATCHER), sampling)
 
 
 def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
@@ -165,16 +173,9 @@ def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
 
 # ----------------------------------------------------------------------------- ComfyUI calls
 
-def _spans(read: Callable) -> Callable:
-    """A family's reading of a ComfyUI model call as ``override.Spans`` (plain ints)."""
-    def spans_of(model: Any, x: Any, context: Any, conds: dict) -> override.Spans | None:
-        found = read(model, x, context, conds)
-        return None if found is None else override.Spans(*found)
-    return spans_of
-
-
 # ComfyUI's DiT families -> how a model call places its tokens (the families' ``spans``).
-COMFY_SPANS = {f.FAMILY.name: _spans(f.spans) for f in (comfy_flux, comfy_qwen, comfy_wan)}
+COMFY_SPANS = {f.FAMILY.name: override.spans_of(f.spans)
+               for f in (comfy_flux, comfy_qwen, comfy_wan)}
 
 # Forge Neo's DiT families -> the attention functions to swap and how a call places its tokens.
 NEO = {f.FAMILY.name: swap.Form.of(f.POINTS, f.spans)

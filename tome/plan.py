@@ -1,8 +1,9 @@
-"""What to merge in one UNet call: the plan module shared by every host adapter.
+"""What to merge in one model call: the plan module shared by every host adapter.
 
-Both adapters (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``patcher.py``:
-the ModelPatcher contract of the Forge family and ComfyUI) see the same things: a UNet call
-starts (latent size, timestep), then transformer blocks run, each with a token sequence.
+Every adapter (``patch.py``: forward hooks on ldm, sgm and diffusers UNets; ``patcher.py``:
+the ModelPatcher contract of the Forge family and ComfyUI; the DiT adapters, whose planner
+decides the window and the policy) sees the same things: a call starts (latent size,
+timestep), then transformer blocks run, each with a token sequence.
 ``Planner`` turns that into one plan per block, or nothing, deciding
 
 - which blocks are merged: the grid of the block's tokens (``grid_of``), ``max_downsample``
@@ -50,9 +51,11 @@ class Window:
     as ComfyUI's and Forge's start/end percent patches do). ``seen`` counts the steps of the
     latest pass, for the line that says ``merged in 2 of 4 steps``."""
 
-    def __init__(self, start: float, end: float, bounds: tuple[float, float] | None = None):
+    def __init__(self, start: float, end: float, bounds: tuple[float, float] | None = None,
+                 percent_to_sigma: Callable[[float], Any] | None = None):
         self.start, self.end = start, end
         self.bounds = bounds  # (lowest, highest) sigma that merges; None: timesteps
+        self.percent_to_sigma = percent_to_sigma  # the host's conversion (sigma windows)
         self.merged = self.steps = 0
         self._last: float | None = None
 
@@ -63,7 +66,7 @@ class Window:
         its conversion may answer in float64 (a Flux step on the 0.5 edge read 0.75951093 >
         0.75951092), so the bounds are widened by a relative 1e-5, far below any step."""
         lo, hi = float(percent_to_sigma(end)), float(percent_to_sigma(start))
-        return cls(start, end, (lo * (1 - EDGE), hi * (1 + EDGE)))
+        return cls(start, end, (lo * (1 - EDGE), hi * (1 + EDGE)), percent_to_sigma)
 
     @property
     def full(self) -> bool:
@@ -72,8 +75,24 @@ class Window:
 
     def inside(self, t: float) -> bool:
         if self.bounds is None:
-            return self.start <= 1.0 - t / NUM_TRAIN_TIMESTEPS <= self.end
+            return self.start <= self.progress(t) <= self.end
         return self.bounds[0] <= t <= self.bounds[1]
+
+    def progress(self, t: float) -> float:
+        """The sampling progress (0 = first step) at ``t`` in this window's units: ``1 - t /
+        1000`` for a timestep, the host's ``percent_to_sigma`` inverted by bisection for a
+        sigma (it falls from the largest sigma at 0 to 0 at 1); host floats only."""
+        convert = self.percent_to_sigma
+        if convert is None:
+            return 1.0 - t / NUM_TRAIN_TIMESTEPS
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if float(convert(mid)) > t:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
 
     def seen(self, t: float, merged: bool) -> None:
         """Count a call at ``t``: calls at the same noise level (cond and uncond, a second-order

@@ -2,7 +2,7 @@
 measured speed-ups as a table and a plot). ComfyUI's classic node API, which every ComfyUI in
 use loads: ``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``, ``CATEGORY``.
 
-The patch node speaks the ModelPatcher adapter (``tome.patcher``) on a clone: the input MODEL
+The patch node asks ``tome.adapters`` for a patched ModelPatcher clone: the input MODEL
 is never changed, and a node that fails leaves no patch. What it says goes to the console, one
 line per event (``host.console``).
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, override, patcher, policy
+from .. import adapters, modelpatcher, override, percall, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
@@ -60,9 +60,6 @@ class SamplingGuard:
         if isinstance(options, dict):
             self.tell_window(options)
             options = self._without_tomesd(options)
-            x = args[0] if args else kwargs.get("x")
-            if hasattr(x, "shape"):  # a DiT's token grid; the UNet form ignores it
-                options = {**options, patcher.LATENT_KEY: tuple(x.shape[-2:])}
             self.view.model_options = {"transformer_options": options}
             if at is not None:
                 args[at] = options
@@ -93,15 +90,15 @@ class SamplingGuard:
 
     def _without_tomesd(self, options: dict) -> dict:
         patches = options.get("patches") or {}
-        lists = {name: patches[name] for name in patcher.ATTN1_LISTS if name in patches}
-        if not any(patcher.is_tomesd(fn) for fns in lists.values() for fn in fns):
+        lists = {name: patches[name] for name in modelpatcher.ATTN1_LISTS if name in patches}
+        if not any(modelpatcher.is_tomesd(fn) for fns in lists.values() for fn in fns):
             return options
         if not self.told:
             self.told = True
             self.say("ToMe: another token merging (ComfyUI's built-in TomePatchModel) was "
                      "added after this ToMe node; it is ignored so tokens are never merged "
                      "twice")
-        kept = {name: [fn for fn in fns if not patcher.is_tomesd(fn)]
+        kept = {name: [fn for fn in fns if not modelpatcher.is_tomesd(fn)]
                 for name, fns in lists.items()}
         return {**options, "patches": {**patches, **kept}}
 
@@ -110,8 +107,8 @@ class AfterSampling:
     """A ComfyUI ``outer_sample`` wrapper on our clone: after each sampling, one line where
     the patch did nothing, saying why; a report of what happened, not of what was installed
     (the node's line at graph time says what was installed). The override counts its model
-    calls (``OverridePatch.counts``: Python ints in its ``apply_model`` wrapper, no tensor
-    read); the attn1 forms count their calls. An interrupted sampling says nothing."""
+    calls (``percall.Core.counts``: Python ints in its ``apply_model`` wrapper, no tensor
+    read); the UNet's attn1 patch counts its calls. An interrupted sampling says nothing."""
 
     def __init__(self, mark: Any, guard: SamplingGuard, say: Callable[[str], Any]):
         self.mark, self.guard, self.say = mark, guard, say
@@ -121,7 +118,7 @@ class AfterSampling:
 
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
         mark = self.mark
-        counted = isinstance(mark, override.OverridePatch)
+        counted = isinstance(mark, percall.Core)
         since = mark.counts() if counted else mark.calls
         out = executor(*args, **kwargs)
         if counted:
@@ -148,11 +145,11 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         say(f"ToMe: {', '.join(ignored)} do nothing in ComfyUI (its patch points reach only "
             "self-attention)")
     base = model
-    ours, foreign = patcher.carried(model)
+    ours, foreign = modelpatcher.carried(model)
     wrapped = override.carried(model)
     if ours or foreign or wrapped:
         base = model.clone()
-        patcher.strip(base, lambda fn: patcher.is_ours(fn) or patcher.is_tomesd(fn))
+        modelpatcher.strip(base, lambda f: modelpatcher.is_ours(f) or modelpatcher.is_tomesd(f))
         override.strip(base)
         if hasattr(base, "remove_wrappers_with_key"):  # its guard and report: ours replace them
             for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
@@ -172,7 +169,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if report.nothing:
         say(f"{report.nothing}; {PASSES}")
         return model
-    mark = getattr(clone, patcher.MARK, None)
+    mark = getattr(clone, modelpatcher.MARK, None)
     if report.adapter == override.ADAPTER:
         if not host.attention_override():
             say(f"ToMe: this ComfyUI has no attention override (added in 0.3.60), so DiTs are "

@@ -1,0 +1,394 @@
+"""The per-call pooling core: DiT keys/values pooled one attention call at a time, for the
+hosts that hand us attention calls rather than modules (ComfyUI's attention override,
+``override.py``; Forge Neo's swapped attention functions, ``swap.py``).
+
+Those hosts' DiT blocks call an attention function with queries and keys (rotated already,
+or with a rotation embedding the function applies) and no token grid. So the grid comes
+from outside: once per model call the host's shim reads the latent, the text length and any
+reference latents (``Spans``: text, image frames x rows x columns, tokens before and after
+the image), and ``Core`` (one per patch: the settings as applied, the step window, the
+policy, each block's factor) turns them and the step's sigma into a ``CallState``. The shim
+makes that state current for the call (``Core.running``, the one bracket: a module slot the
+attention calls read, counted and put back in ``finally``), and at each attention call hands
+its tensors to ``pool_call`` with a ``kernel(q, k, v, mask)`` that calls what the host would
+have called (its backend, or an override/function already there: chained, never replaced).
+
+- queries and keys of one length = text + image (+ references): joint attention (Flux,
+  Qwen-Image): the image span of the keys and values is pooled, per frame;
+- one length = the image (+ references): image-only self-attention (Wan): pooled alike;
+- anything else (cross-attention, a length it does not know) runs as without it; so does a
+  call with a mask (pooling would misalign it: named in ``skipped``).
+
+Queries and text stay whole, so every token keeps its output. Proportional attention
+(``log(cell size)`` on pooled keys) goes in as the kernel's mask where it adds one, else as
+``attend.count_channel``'s extra query/key channel (kernels that drop masks).
+
+``torch.compile``: the attention calls are traced with the model. A state read from the
+host's options would keep one step's graph for the next, so the call's state is the module
+slot ``_active`` (plain ints, set around the call by ``Core.running``), which a compiled
+graph guards on: one graph per grid and pooled/unpooled state.
+
+Pure torch: nothing here imports a host.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from . import attend, dit, merge, plan
+from .config import ToMeConfig, without_reuse
+from .layout import Layout
+from .report import PatchReport
+
+# The hosts' backends that add a float mask to the scores (broadcast over queries): ComfyUI's
+# and Forge Neo's by name (Sage hands a mask to a kernel that ignores it, flash refuses it).
+MASK_BACKENDS = ("attention_basic", "attention_pytorch", "attention_split",
+                 "attention_sub_quad", "attention_xformers")
+MASK = "an attention mask (pooling would misalign it)"
+
+
+class Spans(NamedTuple):
+    """Where one model call's image tokens sit (plain ints, from the latent's shape)."""
+
+    text: int          # text tokens in joint attention (0: the family has none)
+    text_first: bool   # the joint order is [text, image] (else [image, text])
+    before: int        # other tokens before the image (Wan's reference latent): unpooled
+    frames: int        # the image grid in tokens, frame-major
+    h: int
+    w: int
+    after: int = 0     # tokens after the image (Kontext / Qwen-Image edit references): unpooled
+
+    @property
+    def image(self) -> int:
+        return self.frames * self.h * self.w
+
+    def start(self, length: int, whole: bool = False) -> int | None:
+        """Where the image starts in a self-attention call of ``length`` tokens (joint or
+        image-only), or None where the call is not one of this model call's sequences;
+        ``whole``: joint calls only where the family has text (Forge Neo's Lumina runs
+        refiner blocks over the image alone, which stay unpooled)."""
+        core = self.before + self.image + self.after
+        if self.text and length == self.text + core:
+            return self.before + (self.text if self.text_first else 0)
+        return self.before if length == core and not (whole and self.text) else None
+
+
+class CallState(NamedTuple):
+    """What one model call pools: its spans, the factor of each block (in the model's order,
+    double-stream blocks first; 0 or 1: unpooled) and whether pooled keys get the bias."""
+
+    spans: Spans
+    factors: tuple[int, ...]
+    doubles: int
+    proportional: bool
+
+    def factor(self, block_type: Any, index: Any) -> int:
+        """The factor of the block the host names (``block_type`` "double" or "single",
+        ``block_index``); without block information, the factor all blocks share (0 where
+        they differ)."""
+        if isinstance(index, int):
+            pos = index + (self.doubles if block_type == "single" else 0)
+            return self.factors[pos] if 0 <= pos < len(self.factors) else 0
+        return self.factors[0] if len(set(self.factors)) == 1 else 0
+
+    def start(self, queries: int, keys: int, whole: bool = False) -> int | None:
+        """Where the image keys start in an attention call of these lengths, or None: not a
+        self-attention over this call's sequence (cross-attention, another length)."""
+        return self.spans.start(keys, whole) if queries == keys else None
+
+
+# ----------------------------------------------------------------------------- the bracket
+
+_active: tuple[Any, CallState | None, Any] | None = None  # (owner, state, chained callable)
+
+
+def now() -> tuple[Any, CallState | None, Any]:
+    """``(owner, state, chained)`` of the current model call (Nones outside one)."""
+    active = _active
+    return active if active is not None else (None, None, None)
+
+
+def current(owner: Any) -> tuple[CallState | None, Any]:
+    """``(state, chained)`` of the current model call where ``owner`` made it current."""
+    active = _active
+    if active is not None and active[0] is owner:
+        return active[1], active[2]
+    return None, None
+
+
+@contextmanager
+def active(owner: Any, state: CallState | None, chained: Any = None) -> Iterator[None]:
+    """``state`` is the current call's (what ``owner``'s attention calls read) inside."""
+    global _active
+    before, _active = _active, (owner, state, chained)
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def note(skipped: list, block: Any, why: str) -> None:
+    """Record a block left unpooled and why, once per block (eager calls only)."""
+    if not merge.compiling() and not any(b == block for b, _ in skipped):
+        skipped.append((block, why))
+
+
+# ----------------------------------------------------------------------------- one attention call
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], Any]
+
+
+def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, dim: int, kernel: Kernel, plans: dict, *, rope: str = "before",
+           pe: Any = None, bias: str | None = "mask", heads: int | None = None,
+           flat: bool = True) -> Any:
+    """One pooled attention call: the image span of ``k`` and ``v`` (sequence axis ``dim``,
+    from ``start``) pooled per cell of ``state``'s grid at factor ``f``, then ``kernel(q, k,
+    v, mask)``. ``pe``: a rotation embedding the host applies inside its function: the
+    queries and keys are rotated here (keys per ``rope``), and the kernel passes none on.
+    ``bias``: the proportional bias ``"mask"`` (an additive ``[1, 1, 1, keys]`` mask),
+    ``"channel"`` (``attend.count_channel``; ``heads`` splits ``[B, S, heads * D]``, ``flat``
+    says the kernel answers in that layout) or None (left out)."""
+    n = k.shape[dim]
+    p = cached_plan(plans, state.spans, f, rope, state.proportional)
+    if pe is not None:
+        k = p.keys(k, start, dim, pe, dit.rotate, lambda e: p.rotations(e, start))
+        q = dit.rotate(q, pe)
+    else:
+        k = p.pool(k, start, dim)
+    v = p.pool(v, start, dim)
+    b = p.bias(start, n, k.device) if bias else None
+    if b is None:
+        return kernel(q, k, v, None)
+    if bias == "mask":
+        return kernel(q, k, v, b.to(q.dtype).view(1, 1, 1, -1))
+    return channel(kernel, q, k, v, b, dim, heads, flat)
+
+
+def channel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            bias: torch.Tensor, dim: int, heads: int | None, flat: bool) -> Any:
+    """The bias as one extra query/key channel per head (``attend.count_channel``) for a
+    kernel that takes no mask; the kernel scales by its own (wider) head dim, which
+    ``count_channel`` corrects; the extra channels are cut from the output."""
+    if dim == 1:  # [B, S, heads * D]
+        q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    d = q.shape[-1]
+    q, k, v = attend.count_channel(q, k, v, bias, dim, attend.channel_width(d) ** -0.5)
+    if dim == 1:
+        q, k, v = (t.flatten(-2) for t in (q, k, v))
+    out = kernel(q, k, v, None)
+    if not flat:  # [B, heads, S, D']
+        return out[..., :d]
+    return out.unflatten(-1, (heads, -1))[..., :d].flatten(-2)
+
+
+def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
+    """The plan of a call's grid at factor ``f``, kept in ``cache`` in eager mode (its pooled
+    positions and bias are built once; at most 32 kept), built in the graph while compiling
+    (a dict read would add guards)."""
+    if merge.compiling():
+        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    key = (s.frames, s.h, s.w, f, rope, proportional)
+    if key not in cache:
+        if len(cache) > 32:
+            cache.clear()
+        cache[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    return cache[key]
+
+
+# ----------------------------------------------------------------------------- one patch
+
+class Core:
+    """One patched model: the settings as the per-call forms apply them, the planner (step
+    window, policy), each block's factor, the counts of what its model calls did.
+
+    ``spans_of(model, x, ...)`` is the family's reading of a model call (``Spans`` or None:
+    not a call it knows; ``adapters.py`` picks it). Keys arrive rotated where not
+    ``rotated`` is False (Forge Neo's Flux hands them before RoPE), so ``rope="pooled"`` is
+    applied as "before" there; residual reuse is left out (its presets become their points
+    without reuse); both are named in ``limits``."""
+
+    NEVER_CALLED = "the pooling attention was installed but never called"
+
+    def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
+                 percent_to_sigma: Callable[[float], float] | None = None,
+                 rotated: bool = True):
+        self.layout, self.spans_of = layout, spans_of
+        rope = layout.dit.rope and rotated
+        self.applied = without_reuse(config).replace(rope="before") if rope \
+            else without_reuse(config)
+        self.limits = [x for x, on in (
+            ("rope pooled (keys arrive rotated: pooled as rope before)",
+             rope and config.rope == "pooled"),
+            ("residual reuse", config.reuse)) if on]
+        self.schedule = dit.schedule_of(self.applied)
+        self.kinds = [b.kind for b in layout.blocks]
+        self.factors = tuple(self.schedule.factor(i, kind, len(self.kinds), None)
+                             for i, kind in enumerate(self.kinds))
+        self.chosen = {i for i, f in enumerate(self.factors) if f > 1}
+        self.doubles = self.kinds.count("double")
+        start, end = self.schedule.window()
+        window = plan.Window.sigmas(start, end, percent_to_sigma or plan.flow_percent_to_sigma)
+        p = layout.dit.patch
+        self.planner = plan.Planner(self.applied, p, None, [p],
+                                    method=dit.method_for(self.applied), window=window)
+        self.skipped: list[tuple[Any, str]] = []
+        self.calls = self.fired = self.installed = 0  # model calls / that reached our
+        # attention / that ran with it installed
+        self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
+        # the settings at their step / that pooled at least one attention call (``counts``)
+        self.on_silent: Callable[[], Any] | None = None  # told once: installed, never reached
+        self.report: Any = None
+
+    def __deepcopy__(self, memo: dict) -> Core:
+        return self  # shared by clones (ComfyUI deep-copies options): one patch
+
+    def report_as(self, adapter: str) -> PatchReport:
+        """The report of this patch made through ``adapter``, its ``nothing`` set where the
+        settings pool no block."""
+        layout, p = self.layout, self.layout.dit.patch
+        report = PatchReport.of(layout, self.applied, adapter, max_downsample=p,
+                                levels={p: len(self.chosen)} if self.chosen and
+                                self.planner.method else {})
+        if report.unmergeable is None and not self.chosen:  # named, but each at x1
+            report.unmergeable = "ToMe: these settings change nothing (every block at x1)"
+        report.skipped, report.planner = self.skipped, self.planner
+        self.report = report
+        return report
+
+    def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int) -> CallState | None:
+        """This call's state, or None where it pools nothing (outside the step window, the
+        policy, no block pooled at this step). Reads the sigma on the host once, only where a
+        window or a per-step schedule needs it (``Planner.begin``)."""
+        p = self.layout.dit.patch
+        call = self.planner.begin((spans.frames, spans.h * p, spans.w * p), device, sigmas,
+                                  batch)
+        if call is None:
+            return None
+        tokens = spans.image
+        if not self.planner.decision(p, tokens, call.kind, call.measured.get(p)).merged:
+            return None
+        factors = self.factors
+        if self.schedule.varies() and isinstance(sigmas, torch.Tensor) and sigmas.numel():
+            progress = self.planner.window.progress(float(sigmas.reshape(-1)[0]))
+            factors = tuple(self.schedule.factor(i, kind, len(self.kinds), progress)
+                            for i, kind in enumerate(self.kinds))
+        if not any(f > 1 for f in factors):
+            return None
+        top = max(factors)
+        self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
+                                                                  spans.frames))
+        return CallState(spans, factors, self.doubles, bool(self.applied.proportional))
+
+    @contextmanager
+    def running(self, owner: Any, spans: Spans | None, state: CallState | None,
+                chained: Any = None, installed: bool = True) -> Iterator[None]:
+        """The bracket of one model call: ``state`` current for ``owner``'s attention calls
+        (which set ``owner.flags["fired"]``, and ``["pooled"]`` where they pool), put back
+        and counted whatever happens; ``on_silent`` told where the first call that ran with
+        our attention ``installed`` never reached it."""
+        owner.flags.clear()
+        try:
+            with active(owner, state, chained):
+                yield
+        finally:
+            self.calls += 1
+            self.installed += installed
+            self.placed += spans is not None
+            self.active += state is not None
+            self.pooled += bool(owner.flags.get("pooled"))
+            if owner.flags.get("fired"):
+                self.fired += 1
+            elif installed and not self.fired and self.installed == 1 \
+                    and self.on_silent is not None:
+                self.on_silent()
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """The model calls so far: run, reaching our attention, placed by the family
+        (``spans_of``), pooling at their step by the settings, that pooled."""
+        return self.calls, self.fired, self.placed, self.active, self.pooled
+
+    def not_pooled(self, since: tuple[int, ...] = (0, 0, 0, 0, 0)) -> str | None:
+        """One line where no model call since ``since`` (``counts()`` then) pooled anything,
+        saying why (what happened, not what was installed); None where one did."""
+        calls, fired, placed, active, pooled = (a - b for a, b in zip(self.counts(), since))
+        if pooled:
+            return None
+        if not calls:
+            why = "no model call went through its apply_model wrapper"
+        elif not fired:
+            why = self.NEVER_CALLED
+        elif not placed:
+            why = (f"{self.layout.family} cannot place this model's tokens (its latent or text "
+                   "is not laid out as that family's are)")
+        elif not active:
+            why = "no step was pooled by the settings (the step window or the auto policy)"
+        elif self.skipped:
+            why = "its attention calls carry a mask (pooling would misalign it)"
+        else:
+            why = "no attention call had the lengths of this model's text and image tokens"
+        return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
+
+
+# ----------------------------------------------------------------------------- measuring
+
+class _Timed:
+    """The owner of the measuring runner's calls (``runner``)."""
+
+    def __init__(self) -> None:
+        self.flags: dict[str, bool] = {}
+        self.plans: dict[tuple, dit.DitPlan] = {}
+
+
+def runner(kernel: tuple[str, str]) -> Callable:
+    """``measure``'s runner for a DiT whose attention is reached per call (ComfyUI's override,
+    Forge Neo's swap: ``kernel`` names the host's backend ``(q, k, v, heads, mask)``, torch's
+    SDPA where it is not loaded): a block's token-wise work (each of its linear layers on the
+    image tokens) and its self-attention over them, unpooled, or through ``pool_call`` with the
+    state of ``plan``'s grid (a video's frames too), as a pooled generation runs it. Errs low:
+    per-sample layers (modulation) are counted per token."""
+    timed = _Timed()
+
+    def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
+        func = getattr(sys.modules.get(kernel[0]), kernel[1], None) or _sdpa
+        for m in block.modules():
+            if isinstance(m, nn.Linear):
+                m(x if m.in_features == x.shape[-1] else x.new_zeros(*x.shape[:-1],
+                                                                    m.in_features))
+        heads = heads_of(block, x.shape[-1])
+        state = None if p is None else CallState(Spans(0, True, 0, p.frames, p.h, p.w),
+                                                 (p.factor,), 0, bool(p.proportional))
+        n = x.shape[1]
+        if state is None or p.factor <= 1 or state.start(n, n) is None:
+            return func(x, x, x, heads)
+        bias = "mask" if getattr(func, "__name__", "") in MASK_BACKENDS else "channel"
+        return pool_call(state, p.factor, 0, x, x, x, 1,
+                      lambda q, k, v, m: func(q, k, v, heads, mask=m) if m is not None
+                      else func(q, k, v, heads), timed.plans, bias=bias, heads=heads)
+    run.video = True  # a video's grid runs as the generation pools it (``Measurer.get``)
+    return run
+
+
+def heads_of(block: nn.Module, width: int) -> int:
+    """The block's attention heads (an attribute the hosts' blocks or their attention
+    modules carry), else heads of 128 channels (Flux, Qwen-Image, Wan)."""
+    for m in (block, *block.children()):
+        for name in ("heads", "num_heads", "n_heads"):
+            n = getattr(m, name, None)
+            if isinstance(n, int) and n > 0 and width % n == 0:
+                return n
+    return max(1, width // 128)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: Any = None,
+          **kwargs: Any) -> torch.Tensor:
+    """The hosts' backend form ``(q, k, v, heads, mask)`` on ``[B, S, heads * D]``."""
+    q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).flatten(2)
