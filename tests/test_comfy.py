@@ -878,3 +878,73 @@ def test_without_model_sampling_the_window_uses_sds_schedule(lines):
     merged = [not torch.equal(unet_call(ours, x, t, ctx, s), unet_call(base, x, t, ctx, s))
               for s in (14.6146, 2.9183, 0.9324, 0.0292)]
     assert merged == [True, True, False, False]
+
+
+# ----------------------------------------------------------------------------- residual reuse
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_the_quality_preset_reuses_residuals_per_cond_and_uncond(lines, monkeypatch, family):
+    """The quality preset's full point (x8 everywhere, residual refreshed every 5 steps)
+    applies through the override (its line says so; here with the fixed policy, as the
+    stand-in's CPU times x8 slower): at a refresh step each of cond and uncond runs the
+    unpooled attention too (keys of the whole image), in between only pooled keys; the
+    latent differs from x8 without reuse and is closer to the unpooled one; the same seed
+    gives the same latent; nothing is kept after the sampling (``on_cleanup``), and a
+    sampling that failed half-way leaves nothing that changes the next one (``on_pre_run``)."""
+    base = dit_model(family)
+    g = torch.Generator().manual_seed(1)
+    uncond = torch.randn(1, 5, 12, generator=g)
+    run = {"family": family, "steps": 8, "cfg": 2.0, "uncond": uncond}
+    ref = sample(base, **run)
+    nodes.ToMePatch().patch(base, **defaults(preset="quality"))
+    assert "x8 in all blocks; residual reuse every 5 steps" in lines[-2]
+    assert "residual reuse" not in lines[-1].partition("cannot apply")[2]
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="all:8", reuse=5))
+    (plain,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="all:8", reuse=0))
+    seen = spy(monkeypatch, family)
+    out = sample(ours, **run)
+    image = {"flux": 5 + 8 * 12, "wan": 3 * 8 * 12}[family]
+    blocks = {"flux": 4, "wan": 2}[family]
+    assert seen.count(image) == 2 * 2 * blocks  # steps 0 and 5, cond and uncond
+    mark = getattr(ours, mp.MARK)
+    assert mark.reuse.held_bytes() == 0 and "residual reuse" not in mark.limits
+    without = sample(plain, **run)
+    assert torch.isfinite(out).all() and not torch.equal(out, without)
+    assert float((out - ref).norm()) < float((without - ref).norm())
+    assert torch.equal(sample(ours, **run), out)
+
+    calls = []
+    apply_model = ours.model.apply_model
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("interrupted")
+        return apply_model(*args, **kwargs)
+
+    monkeypatch.setattr(ours.model, "apply_model", failing)
+    with pytest.raises(RuntimeError):
+        sample(ours, **run)
+    assert mark.reuse.held_bytes() == 0
+    monkeypatch.setattr(ours.model, "apply_model", apply_model)
+    assert torch.equal(sample(ours, **{**run, "steps": 8}), out)
+
+
+def test_reuse_that_does_not_fit_in_memory_runs_the_point_without_it(capsys, monkeypatch):
+    """What reuse would keep is checked against free memory before anything is kept
+    (``memory.ReuseBudget`` on the per-call path): with almost nothing free, one line says so
+    and the sampling runs the settings' point without reuse (the quality preset's: x2 in
+    single blocks from 0.3), keeping nothing."""
+    from tome import memory
+    base = dit_model("flux")
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="all:8", reuse=5))
+    (point,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, schedule="single:2@0.3-1",
+                                                         reuse=0))
+    monkeypatch.setattr(memory, "available", lambda device: 1024)
+    capsys.readouterr()
+    out = sample(ours, steps=8)
+    assert getattr(ours, mp.MARK).reuse.held_bytes() == 0
+    said = capsys.readouterr().out
+    assert said.count("residual reuse would keep") == 1 and "it is off, x2 in single blocks" \
+        in said
+    assert torch.equal(out, sample(point, steps=8))

@@ -240,3 +240,46 @@ def test_keys_before_rope_are_rotated_and_pooled_per_frame(rope):
     torch.testing.assert_close(out[0], rotate(q, ids), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[1], expect_k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[2], pool(v))
+
+
+def test_reuse_at_the_kernel_against_plain_attention_per_identity():
+    """Residual reuse on the per-call path (``reuse`` = 2), cond and uncond apart: a refresh
+    step answers the unpooled attention exactly and keeps ``full - pooled``; the step after
+    adds it (plus its slope, zero after one refresh); the next refresh keeps the new residual
+    and the slope from the last two. The reference is plain SDPA over hand-pooled cells,
+    step by step, per identity (never the code under test)."""
+    from tome import attend
+    torch.manual_seed(6)
+    text, h, w = 3, 4, 6
+    n = text + h * w
+    reuse = attend.Reuse(2)
+    parts = (percall._Part(0),)
+    for part in parts:
+        reuse.join(part)
+    pool = KvPool()
+
+    def sdpa(q, k, v):  # [B, heads, S, D] -> [B, S, heads * D]
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    kept = {}  # identity -> (residual, slope, step): the reference's own bookkeeping
+    for step in range(4):
+        for who in (0, 1):
+            q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+            reuse.begin(step / 4, 1, (1, h, w), (who,))
+            st = CallState(Spans(text, True, 0, 1, h, w), (2,), 1, False, reuse, parts)
+            got = call(pool, backend(), q, k, v, st, skip_reshape=True,
+                       transformer_options={"block_type": "double", "block_index": 0})
+            pooled = sdpa(q, cells(k, text, h, w), cells(v, text, h, w))
+            if step % 2 == 0:  # a refresh: the full attention, its residual kept
+                want = sdpa(q, k, v)
+                r = want - pooled
+                slope = torch.zeros_like(r) if who not in kept else \
+                    (r - kept[who][0]) / (step - kept[who][2])
+                kept[who] = (r, slope, step)
+            else:
+                r, slope, at = kept[who]
+                want = pooled + r + slope * (step - at)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert reuse.held_bytes() == 2 * 2 * n * 16 * 4  # 2 identities x (residual, slope)
+    reuse.reset()
+    assert reuse.held_bytes() == 0

@@ -35,6 +35,8 @@ from .percall import Spans
 from .report import PatchReport
 
 OVERRIDE = "optimized_attention_override"  # ComfyUI's key in transformer_options
+# ComfyUI's CallbacksMP: around each sampling run, on the patcher that samples (our clone)
+PRE_RUN, CLEANUP = "on_pre_run", "on_cleanup"
 SPANS_KEY = "tome_dit"  # the call's ``Spans`` in its transformer_options (for other nodes)
 APPLY_MODEL, WRAPPER_KEY = "apply_model", "tome"  # ComfyUI's wrapper type; our key in it
 ADAPTER = "attention override"  # ``PatchReport.adapter``
@@ -92,9 +94,10 @@ class KvPool:
 
         masks = prev is None and getattr(func, "__name__", "") in percall.MASK_BACKENDS
         return percall.pool_call(state, f, start, q, k, v, dim, kernel, self.plans,
-                              bias="mask" if masks else "channel",
-                              heads=args[3] if len(args) > 3 else kwargs.get("heads"),
-                              flat=not kwargs.get("skip_output_reshape"))
+                                 bias="mask" if masks else "channel",
+                                 heads=args[3] if len(args) > 3 else kwargs.get("heads"),
+                                 flat=not kwargs.get("skip_output_reshape"),
+                                 part=state.part(*block))
 
 
 def _call(prev: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -106,7 +109,9 @@ def _call(prev: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
 
 class OverridePatch(percall.Core):
     """One patched model (``percall.Core``) with ComfyUI's ``apply_model`` wrapper
-    (``wrapper``) and the override it installs (``pool``)."""
+    (``wrapper``) and the override it installs (``pool``). ``reuses``: the host calls
+    ``reset`` at each run's start and end (``patch`` adds it to ComfyUI's run callbacks), so
+    residual reuse applies, keyed by the call's ``cond_or_uncond``."""
 
     NEVER_CALLED = ("the attention override was installed but never called (a node after this "
                     "ToMe node replaced ComfyUI's optimized_attention_override without calling "
@@ -114,8 +119,9 @@ class OverridePatch(percall.Core):
     SILENT = f"ToMe: {NEVER_CALLED}, so nothing was pooled"
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
-                 percent_to_sigma: Callable[[float], float] | None = None):
-        super().__init__(config, layout, spans_of, percent_to_sigma)
+                 percent_to_sigma: Callable[[float], float] | None = None,
+                 reuses: bool = False):
+        super().__init__(config, layout, spans_of, percent_to_sigma, reuses=reuses)
         self.pool = KvPool(self.skipped)
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
 
@@ -134,8 +140,10 @@ class OverridePatch(percall.Core):
             self.on_call(options)
         context = args[3] if len(args) > 3 else kwargs.get("c_crossattn")
         spans = self.spans_of(self.layout.root, x, context, kwargs)
-        state = None if spans is None else \
-            self.begin(spans, options.get("sigmas"), x.device, x.shape[0])
+        who = options.get("cond_or_uncond")
+        state = None if spans is None else self.begin(
+            spans, options.get("sigmas"), x.device, x.shape[0],
+            tuple(who) if isinstance(who, (list, tuple)) else None, x)
         prev = options.get(OVERRIDE)
         if prev is self.pool:
             prev = None
@@ -155,13 +163,19 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     """A clone of ComfyUI's ``ModelPatcher`` whose ``apply_model`` wrapper (key ``"tome"``)
     installs the override per call, and the report (``adapters.patch_model_patcher`` chooses
     this form); settings that pool nothing: the patcher itself, with the report's
-    ``nothing``."""
-    ours = OverridePatch(config, layout, spans_of, percent_to_sigma)
+    ``nothing``. Where the patcher has run callbacks (``add_callback_with_key``), residual
+    reuse applies, reset at each sampling run's start (``on_pre_run``) and end
+    (``on_cleanup``, also after an error or an interrupt)."""
+    reuses = hasattr(unet_patcher, "add_callback_with_key")
+    ours = OverridePatch(config, layout, spans_of, percent_to_sigma, reuses)
     report = ours.report_as(ADAPTER)
     if report.nothing:
         return unet_patcher, report
     clone = unet_patcher.clone()
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ours.wrapper)
+    if reuses:
+        clone.add_callback_with_key(PRE_RUN, WRAPPER_KEY, ours.reset)
+        clone.add_callback_with_key(CLEANUP, WRAPPER_KEY, ours.reset)
     setattr(clone, MARK, ours)
     return clone, report
 
@@ -183,5 +197,8 @@ def carried(unet_patcher: Any) -> bool:
 def strip(unet_patcher: Any) -> None:
     """Remove our ``apply_model`` wrapper from ``unet_patcher`` (a clone)."""
     (getattr(unet_patcher, "wrappers", None) or {}).get(APPLY_MODEL, {}).pop(WRAPPER_KEY, None)
+    if hasattr(unet_patcher, "remove_callbacks_with_key"):
+        for kind in (PRE_RUN, CLEANUP):
+            unet_patcher.remove_callbacks_with_key(kind, WRAPPER_KEY)
     if isinstance(getattr(unet_patcher, MARK, None), OverridePatch):
         delattr(unet_patcher, MARK)

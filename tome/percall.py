@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import attend, dit, merge, plan
+from . import attend, dit, memory, merge, plan
 from .config import ToMeConfig, without_reuse
 from .layout import Layout
 from .report import PatchReport
@@ -81,21 +81,37 @@ class Spans(NamedTuple):
 
 class CallState(NamedTuple):
     """What one model call pools: its spans, the factor of each block (in the model's order,
-    double-stream blocks first; 0 or 1: unpooled) and whether pooled keys get the bias."""
+    double-stream blocks first; 0 or 1: unpooled), whether pooled keys get the bias, and
+    residual reuse (``attend.Reuse``, decided for this call on the host; None: none) with
+    each block's part (what its residuals are kept on)."""
 
     spans: Spans
     factors: tuple[int, ...]
     doubles: int
     proportional: bool
+    reuse: Any = None
+    parts: tuple = ()
+
+    def position(self, block_type: Any, index: Any) -> int | None:
+        """The block the host names (``block_type`` "double" or "single", ``block_index``)
+        in the model's order, or None (no block information, or not a block of the model)."""
+        if not isinstance(index, int):
+            return None
+        pos = index + (self.doubles if block_type == "single" else 0)
+        return pos if 0 <= pos < len(self.factors) else None
 
     def factor(self, block_type: Any, index: Any) -> int:
-        """The factor of the block the host names (``block_type`` "double" or "single",
-        ``block_index``); without block information, the factor all blocks share (0 where
-        they differ)."""
+        """The factor of the block the host names; without block information, the factor
+        all blocks share (0 where they differ)."""
         if isinstance(index, int):
-            pos = index + (self.doubles if block_type == "single" else 0)
-            return self.factors[pos] if 0 <= pos < len(self.factors) else 0
+            pos = self.position(block_type, index)
+            return 0 if pos is None else self.factors[pos]
         return self.factors[0] if len(set(self.factors)) == 1 else 0
+
+    def part(self, block_type: Any, index: Any) -> Any:
+        """The named block's part for residual reuse, or None (no reuse in this call)."""
+        pos = self.position(block_type, index) if self.reuse is not None else None
+        return None if pos is None or pos >= len(self.parts) else self.parts[pos]
 
     def start(self, queries: int, keys: int, whole: bool = False) -> int | None:
         """Where the image keys start in an attention call of these lengths, or None: not a
@@ -145,30 +161,42 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], Any]
 
 
 def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Tensor,
-           v: torch.Tensor, dim: int, kernel: Kernel, plans: dict, *, rope: str = "before",
-           pe: Any = None, bias: str | None = "mask", heads: int | None = None,
-           flat: bool = True) -> Any:
+              v: torch.Tensor, dim: int, kernel: Kernel, plans: dict, *, rope: str = "before",
+              pe: Any = None, bias: str | None = "mask", heads: int | None = None,
+              flat: bool = True, part: Any = None) -> Any:
     """One pooled attention call: the image span of ``k`` and ``v`` (sequence axis ``dim``,
     from ``start``) pooled per cell of ``state``'s grid at factor ``f``, then ``kernel(q, k,
     v, mask)``. ``pe``: a rotation embedding the host applies inside its function: the
     queries and keys are rotated here (keys per ``rope``), and the kernel passes none on.
     ``bias``: the proportional bias ``"mask"`` (an additive ``[1, 1, 1, keys]`` mask),
     ``"channel"`` (``attend.count_channel``; ``heads`` splits ``[B, S, heads * D]``, ``flat``
-    says the kernel answers in that layout) or None (left out)."""
+    says the kernel answers in that layout) or None (left out). ``part``: the block's part
+    where this call reuses residuals (``state.reuse``): on a refresh the unpooled attention
+    runs too and ``full - pooled`` is kept, between refreshes it is added (``Reuse.around``;
+    the output's sequence axis is 1 for ``[B, S, heads * D]``, 2 for ``[B, heads, S, D]``)."""
     n = k.shape[dim]
     p = cached_plan(plans, state.spans, f, rope, state.proportional)
     if pe is not None:
-        k = p.keys(k, start, dim, pe, dit.rotate, lambda e: p.rotations(e, start))
         q = dit.rotate(q, pe)
+        kp = p.keys(k, start, dim, pe, dit.rotate, lambda e: p.rotations(e, start))
     else:
-        k = p.pool(k, start, dim)
-    v = p.pool(v, start, dim)
+        kp = p.pool(k, start, dim)
+    vp = p.pool(v, start, dim)
     b = p.bias(start, n, k.device) if bias else None
     if b is None:
-        return kernel(q, k, v, None)
-    if bias == "mask":
-        return kernel(q, k, v, b.to(q.dtype).view(1, 1, 1, -1))
-    return channel(kernel, q, k, v, b, dim, heads, flat)
+        out = kernel(q, kp, vp, None)
+    elif bias == "mask":
+        out = kernel(q, kp, vp, b.to(q.dtype).view(1, 1, 1, -1))
+    else:
+        out = channel(kernel, q, kp, vp, b, dim, heads, flat)
+    if part is None or state.reuse is None:
+        return out
+
+    def full(rows: int | None = None) -> Any:  # the unpooled attention (keys rotated)
+        return kernel(q if rows is None else q.narrow(dim, 0, rows),
+                      k if pe is None else dit.rotate(k, pe), v, None)
+    return state.reuse.around((part, f), out, full, 1 if out.dim() == 3 else 2,
+                              (start, start + p.tokens))
 
 
 def channel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -209,24 +237,26 @@ class Core:
     window, policy), each block's factor, the counts of what its model calls did.
 
     ``spans_of(model, x, ...)`` is the family's reading of a model call (``Spans`` or None:
-    not a call it knows; ``adapters.py`` picks it). Keys arrive rotated where not
-    ``rotated`` is False (Forge Neo's Flux hands them before RoPE), so ``rope="pooled"`` is
-    applied as "before" there; residual reuse is left out (its presets become their points
-    without reuse); both are named in ``limits``."""
+    not a call it knows; ``adapters.py`` picks it). Keys arrive rotated unless ``rotated``
+    is False (Forge Neo's Flux hands them before RoPE), so ``rope="pooled"`` is applied as
+    "before" there. Residual reuse (``reuses``: a host that resets it at its run start) is
+    kept per block part, call identity and factor (``attend.Reuse``) under the memory budget
+    (``memory.ReuseBudget``); without ``reuses`` a preset becomes its point without reuse.
+    What is left out is named in ``limits``."""
 
     NEVER_CALLED = "the pooling attention was installed but never called"
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
                  percent_to_sigma: Callable[[float], float] | None = None,
-                 rotated: bool = True):
+                 rotated: bool = True, reuses: bool = False):
         self.layout, self.spans_of = layout, spans_of
         rope = layout.dit.rope and rotated
-        self.applied = without_reuse(config).replace(rope="before") if rope \
-            else without_reuse(config)
+        applied = config if reuses else without_reuse(config)
+        self.applied = applied.replace(rope="before") if rope else applied
         self.limits = [x for x, on in (
             ("rope pooled (keys arrive rotated: pooled as rope before)",
              rope and config.rope == "pooled"),
-            ("residual reuse", config.reuse)) if on]
+            ("residual reuse", config.reuse and not reuses)) if on]
         self.schedule = dit.schedule_of(self.applied)
         self.kinds = [b.kind for b in layout.blocks]
         self.factors = tuple(self.schedule.factor(i, kind, len(self.kinds), None)
@@ -238,6 +268,7 @@ class Core:
         p = layout.dit.patch
         self.planner = plan.Planner(self.applied, p, None, [p],
                                     method=dit.method_for(self.applied), window=window)
+        self.reuse, self.budget, self.parts = self._reuse(layout)
         self.skipped: list[tuple[Any, str]] = []
         self.calls = self.fired = self.installed = 0  # model calls / that reached our
         # attention / that ran with it installed
@@ -249,6 +280,31 @@ class Core:
     def __deepcopy__(self, memo: dict) -> Core:
         return self  # shared by clones (ComfyUI deep-copies options): one patch
 
+    def _reuse(self, layout: Layout) -> tuple[Any, Any, tuple]:
+        """Residual reuse, its memory budget and one part per block (what its residuals are
+        kept on), or Nones where the settings reuse nothing. The budget counts each pooled
+        block's attention output over the call's whole sequence (text and references too)
+        at the block's token width."""
+        if not self.applied.reuse:
+            return None, None, ()
+        n = len(self.kinds)
+        counts = [memory.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
+        reuse = attend.Reuse(self.applied.reuse)
+        reuse.order = tuple(i for i, c in enumerate(counts) if c)
+        parts = tuple(_Part(i) for i in range(n))
+        for part in parts:
+            reuse.join(part)
+        budget = memory.ReuseBudget(layout, self.applied, reuse.order, reuse)
+        budget.specs = [(i, True, _width(layout.blocks[i].module), counts[i])
+                        for i in reuse.order]
+        return reuse, budget, parts
+
+    def reset(self, *_: Any) -> None:
+        """Drop what residual reuse keeps (the host's run start and end: ComfyUI's
+        ``ON_PRE_RUN``/``ON_CLEANUP`` callbacks on the patched clone)."""
+        if self.reuse is not None:
+            self.reuse.reset()
+
     def report_as(self, adapter: str) -> PatchReport:
         """The report of this patch made through ``adapter``, its ``nothing`` set where the
         settings pool no block."""
@@ -259,32 +315,47 @@ class Core:
         if report.unmergeable is None and not self.chosen:  # named, but each at x1
             report.unmergeable = "ToMe: these settings change nothing (every block at x1)"
         report.skipped, report.planner = self.skipped, self.planner
+        if self.budget is not None:
+            self.budget.report = report
         self.report = report
         return report
 
-    def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int) -> CallState | None:
+    def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int, who: Any = None,
+              x: torch.Tensor | None = None) -> CallState | None:
         """This call's state, or None where it pools nothing (outside the step window, the
         policy, no block pooled at this step). Reads the sigma on the host once, only where a
-        window or a per-step schedule needs it (``Planner.begin``)."""
+        window, a per-step schedule or residual reuse needs it (``Planner.begin``); steps are
+        told apart by it. ``who``: the host's identity of the call (ComfyUI's
+        ``cond_or_uncond``); ``x``: its latent (what the memory budget reads)."""
         p = self.layout.dit.patch
-        call = self.planner.begin((spans.frames, spans.h * p, spans.w * p), device, sigmas,
-                                  batch)
+        size = (spans.frames, spans.h * p, spans.w * p)
+        call = self.planner.begin(size, device, sigmas, batch)
         if call is None:
             return None
         tokens = spans.image
         if not self.planner.decision(p, tokens, call.kind, call.measured.get(p)).merged:
             return None
-        factors = self.factors
-        if self.schedule.varies() and isinstance(sigmas, torch.Tensor) and sigmas.numel():
+        factors, schedule, progress = self.factors, self.schedule, None
+        if (schedule.varies() or self.reuse is not None) and isinstance(sigmas, torch.Tensor) \
+                and sigmas.numel():
             progress = self.planner.window.progress(float(sigmas.reshape(-1)[0]))
-            factors = tuple(self.schedule.factor(i, kind, len(self.kinds), progress)
+        reuse = None
+        if self.reuse is not None and progress is not None:
+            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device)
+            if x is not None:  # what reuse will keep, checked before it keeps it
+                schedule = self.budget.begin(x, size, spans.text + spans.before + spans.after,
+                                             progress)
+            reuse = self.reuse if self.reuse.active else None
+        if progress is not None and (schedule.varies() or schedule is not self.schedule):
+            factors = tuple(schedule.factor(i, kind, len(self.kinds), progress)
                             for i, kind in enumerate(self.kinds))
         if not any(f > 1 for f in factors):
             return None
         top = max(factors)
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
                                                                   spans.frames))
-        return CallState(spans, factors, self.doubles, bool(self.applied.proportional))
+        return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
+                         reuse, self.parts if reuse is not None else ())
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,
@@ -334,6 +405,20 @@ class Core:
         else:
             why = "no attention call had the lengths of this model's text and image tokens"
         return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
+
+
+class _Part:
+    """One block's residuals under reuse (``attend.Reuse.join`` keeps them on it)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _width(block: nn.Module) -> int:
+    """A host DiT block's token width: the input width most of its linear layers share
+    (ComfyUI's blocks have no ``norm1`` or ``attn`` to read it from)."""
+    widths = [m.in_features for m in block.modules() if isinstance(m, nn.Linear)]
+    return max(set(widths), key=widths.count) if widths else 1
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -2,7 +2,10 @@
 
 A clone is a new patcher around the same model: weight patches copied per key, ``model_options``
 deep-copied (patch functions in it too: bound methods are deep-copied with their instance
-unless it says otherwise), wrappers copied per key; no other attribute is carried over.
+unless it says otherwise), wrappers and callbacks copied per key; no other attribute is
+carried over. ``pre_run``/``cleanup`` call the ``on_pre_run``/``on_cleanup`` callbacks with
+the patcher (``CFGGuider.outer_sample`` calls them around a sampling, ``cleanup`` in
+``finally``).
 """
 
 import copy
@@ -18,13 +21,41 @@ class ModelPatcher:
         self.patches = {}  # weight patches (by weight name), not attention patches
         self.model_options = {"transformer_options": {}}
         self.wrappers = {}
+        self.callbacks = {}
 
     def clone(self):
         n = self.__class__(self.model, self.load_device, self.offload_device)
         n.patches = {k: v[:] for k, v in self.patches.items()}
         n.model_options = copy.deepcopy(self.model_options)
         n.wrappers = {k: {k1: w1.copy() for k1, w1 in w.items()} for k, w in self.wrappers.items()}
+        n.callbacks = {k: {k1: c1.copy() for k1, c1 in c.items()}
+                       for k, c in self.callbacks.items()}
         return n
+
+    def add_callback(self, call_type, callback):
+        self.add_callback_with_key(call_type, None, callback)
+
+    def add_callback_with_key(self, call_type, key, callback):
+        self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
+
+    def remove_callbacks_with_key(self, call_type, key):
+        c = self.callbacks.get(call_type, {})
+        if key in c:
+            c.pop(key)
+
+    def get_callbacks(self, call_type, key):
+        return self.callbacks.get(call_type, {}).get(key, [])
+
+    def get_all_callbacks(self, call_type):
+        return [fn for fns in self.callbacks.get(call_type, {}).values() for fn in fns]
+
+    def pre_run(self):
+        for callback in self.get_all_callbacks("on_pre_run"):
+            callback(self)
+
+    def cleanup(self):
+        for callback in self.get_all_callbacks("on_cleanup"):
+            callback(self)
 
     def set_model_patch(self, patch, name):
         to = self.model_options["transformer_options"]

@@ -7,6 +7,12 @@ in insertion order (the first added runs outermost); a wrapper is called as
 ``APPLY_MODEL``, the diffusion model for ``DIFFUSION_MODEL``)."""
 
 
+class CallbacksMP:
+    ON_CLONE = "on_clone"
+    ON_CLEANUP = "on_cleanup"
+    ON_PRE_RUN = "on_pre_run"
+
+
 class WrappersMP:
     OUTER_SAMPLE = "outer_sample"
     APPLY_MODEL = "apply_model"

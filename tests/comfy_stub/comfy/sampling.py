@@ -181,7 +181,7 @@ class DiTModel(torch.nn.Module):
         return img
 
 
-def dit_sample(patcher, noise, context, sigmas, **conds):
+def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
     """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
     ComfyUI 0.8.0 makes it: the patcher's wrappers merged into the sampling options'
     ``transformer_options["wrappers"]`` and ``sample_sigmas`` set once; the whole sampling
@@ -191,8 +191,12 @@ def dit_sample(patcher, noise, context, sigmas, **conds):
     ``model_patcher`` and ``model_options``); per step a fresh ``transformer_options`` (the
     options' nested dicts copied, their other values shared) with ``cond_or_uncond`` and
     ``sigmas`` (this step's sigma per image), then ``model.apply_model(x, sigma,
-    c_crossattn=context, transformer_options=..., **conds)``. The latent starts as
-    ``sigmas[0] * noise`` (an empty latent). Returns the final latent."""
+    c_crossattn=context, transformer_options=..., **conds)``; the patcher's ``pre_run``
+    before the steps and ``cleanup`` after them, also on an error (inside the
+    ``outer_sample`` wrappers, as ``CFGGuider.outer_sample``). ``cfg`` above 1: two calls
+    per step, cond then uncond (``cond_or_uncond`` [0] and [1]; ``uncond`` the second
+    context), mixed. The latent starts as ``sigmas[0] * noise`` (an empty latent). Returns
+    the final latent."""
     from types import SimpleNamespace
 
     from comfy.patcher_extension import (
@@ -211,14 +215,21 @@ def dit_sample(patcher, noise, context, sigmas, **conds):
     def outer_sample(noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None,
                      disable_pbar=False, seed=None, latent_shapes=None):
         x = noise * sigmas[0] + latent_image
-        for i in range(len(sigmas) - 1):
-            sigma = sigmas[i].expand(x.shape[0])
-            call = merge_nested_dicts({}, to, copy_dict1=False)
-            call["cond_or_uncond"] = [0] * x.shape[0]
-            call["sigmas"] = sigma
-            denoised = model.apply_model(x, sigma, c_crossattn=context,
-                                         transformer_options=call, **conds)
-            x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+        patcher.pre_run()
+        try:
+            for i in range(len(sigmas) - 1):
+                sigma = sigmas[i].expand(x.shape[0])
+                outs = []
+                for which, ctx in enumerate([context] if cfg == 1.0 else [context, uncond]):
+                    call = merge_nested_dicts({}, to, copy_dict1=False)
+                    call["cond_or_uncond"] = [which] * x.shape[0]
+                    call["sigmas"] = sigma
+                    outs.append(model.apply_model(x, sigma, c_crossattn=ctx,
+                                                  transformer_options=call, **conds))
+                denoised = outs[0] if cfg == 1.0 else outs[1] + cfg * (outs[0] - outs[1])
+                x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+        finally:
+            patcher.cleanup()
         return x
 
     guider = SimpleNamespace(model_patcher=patcher, model_options=options)
