@@ -294,3 +294,32 @@ def test_a_compiled_model_is_not_recompiled_from_step_to_step():
         torch._dynamo.reset()
     torch.testing.assert_close(first, eager)
     assert torch.equal(first, second)
+
+
+def test_residual_reuse_applies_per_identity_and_is_freed_after_the_generation(capsys,
+                                                                              monkeypatch):
+    """Forge Neo: the quality point (x8 everywhere, reuse every 5 steps; the fixed policy)
+    keeps the unpooled attention's residual: at steps 0 and 5 every call also attends over
+    the whole image's keys, the other steps over the pooled ones only; the image differs from
+    x8 without reuse, is the same for the same seed, nothing is kept once the generation is
+    over, and the next generation without ToMe gives the unpatched image."""
+    model = neo.NeoModel("flux")
+    webui = WebUI(model)
+    off = latent(webui, steps=8)
+    kernel.calls.clear()
+    swaps, begin = [], swap.Swap.begin
+    monkeypatch.setattr(swap.Swap, "begin", lambda self, *a: swaps.append(self) or begin(
+        self, *a))
+    on = latent(webui, dit(schedule="all:8", reuse=5), steps=8)
+    (ours,) = set(swaps)
+    assert ours.reuse.every == 5 and ours.reuse.held_bytes() == 0  # freed at the end
+    text, image = neo.TEXT_TOKENS, 8 * 8
+    full = [c for c in kernel.calls if c == (text + image, text + image)]
+    pooled = [c for c in kernel.calls if c == (text + image, text + 1)]
+    assert full and len(pooled) == 4 * len(full)  # 2 refresh steps of 8 at every call
+    without = latent(webui, dit(schedule="all:8", reuse=0), steps=8)
+    assert torch.isfinite(on).all() and not torch.equal(on, without)
+    assert float((on - off).norm()) < float((without - off).norm())
+    assert torch.equal(latent(webui, dit(schedule="all:8", reuse=5), steps=8), on)
+    assert torch.equal(latent(webui, steps=8), off)
+    assert "not applied on this host: residual reuse" not in capsys.readouterr().out

@@ -102,6 +102,10 @@ def remove(model: Any, during_call: bool = False) -> Any:
     inert, until ``flush`` after the generation."""
     if (second := _second(model)) is not None:
         remove(second, during_call)
+    forge = getattr(getattr(getattr(model, "forge_objects", None), "unet", None),
+                    modelpatcher.MARK, None)
+    if isinstance(forge, percall.Core):  # a generation's end: what its reuse kept goes
+        forge.reset()
     root = patch.patched_root(model)
     state = vars(root).get(STATE_ATTR)
     if during_call and getattr(state, "handles", None):

@@ -131,8 +131,9 @@ class Pooled:
             return original(q, k, v, *a, **kw)
 
         return percall.pool_call(state, f, start, q, k, v, point.dim, kernel, swap.plans,
-                              rope=swap.applied.rope, pe=pe,
-                              bias="mask" if swap.masks else None)
+                                 rope=swap.applied.rope, pe=pe,
+                                 bias="mask" if swap.masks else None,
+                                 part=state.part(kind, index))
 
 
 _POOLED: dict[Point, Pooled] = {}
@@ -148,7 +149,9 @@ def pooled(point: Point) -> Pooled:
 class Swap(percall.Core):
     """The ``model_function_wrapper`` of one patched UnetPatcher clone (see the module
     docstring): the patch (``percall.Core``) and its per-call swap. ``previous``: the wrapper
-    the patcher had, called around ours."""
+    the patcher had, called around ours. Residual reuse applies, keyed by the call's
+    ``cond_or_uncond``: the WebUI patches a fresh clone per generation (its run start) and
+    ``adapters.remove`` resets it at the generation's end (``Core.reset``)."""
 
     NEVER_CALLED = ("the attention functions were swapped but never called (another "
                     "extension replaced them, or the model runs its own kernels)")
@@ -157,7 +160,8 @@ class Swap(percall.Core):
     def __init__(self, config: ToMeConfig, layout: Any, form: Form,
                  percent_to_sigma: Callable[[float], float] | None = None,
                  previous: Callable | None = None):
-        super().__init__(config, layout, form.spans, percent_to_sigma, rotated=not form.rotates)
+        super().__init__(config, layout, form.spans, percent_to_sigma, rotated=not form.rotates,
+                         reuses=True)
         self.form, self.previous, self.model = form, previous, layout.root
         kernel = getattr(sys.modules.get(KERNEL[0]), KERNEL[1], None)
         self.masks = getattr(kernel, "__name__", "") in percall.MASK_BACKENDS
@@ -170,17 +174,19 @@ class Swap(percall.Core):
         self.plans: dict[tuple, Any] = {}
 
     def __call__(self, apply_model: Callable, params: dict) -> Any:
-        run = partial(self.run, apply_model)
+        who = params.get("cond_or_uncond")
+        run = partial(self.run, apply_model, who=tuple(who) if isinstance(who, list) else None)
         if self.previous is not None:
             return self.previous(run, params)
         return run(params["input"], params["timestep"], **params["c"])
 
-    def run(self, apply_model: Callable, x: torch.Tensor, t: Any, **c: Any) -> Any:
+    def run(self, apply_model: Callable, x: torch.Tensor, t: Any, who: Any = None, **c: Any
+            ) -> Any:
         """One model call with our functions in place of the points' globals (where it pools
-        at this step), put back in ``finally`` whatever happens."""
+        at this step), put back in ``finally`` whatever happens; ``who``: its identity."""
         found = self.form.spans(self.model, x, c)
         spans = None if found is None else percall.Spans(*found)
-        state = None if spans is None else self.begin(spans, t, x.device, x.shape[0])
+        state = None if spans is None else self.begin(spans, t, x.device, x.shape[0], who, x)
         saved: list[tuple[Any, str, Any]] = []
         before = self.block
         self.block = 0
