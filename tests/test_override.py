@@ -283,3 +283,43 @@ def test_reuse_at_the_kernel_against_plain_attention_per_identity():
     assert reuse.held_bytes() == 2 * 2 * n * 16 * 4  # 2 identities x (residual, slope)
     reuse.reset()
     assert reuse.held_bytes() == 0
+
+
+def test_compiled_calls_reuse_as_eager_with_a_few_graphs_not_one_per_step():
+    """Reuse's state is decided on the host per call (``Reuse.begin``): a compiled override
+    (TorchCompileModel's guard filter) gives the eager outputs over ten steps of cond and
+    uncond, with one graph per variant (nothing kept yet, first slope, refresh, reuse), none
+    per step."""
+    import torch._dynamo.testing
+
+    from tome import attend
+    pool, func = KvPool(), backend()
+
+    def model(x, to):
+        q = k = v = x.unflatten(-1, (2, -1)).transpose(1, 2)
+        return to["optimized_attention_override"](func, q, k, v, 2, skip_reshape=True,
+                                                  transformer_options=to)
+
+    def run(fn):
+        reuse, parts = attend.Reuse(2), (percall._Part(0),)
+        reuse.join(parts[0])
+        torch.manual_seed(0)
+        outs = []
+        for step in range(10):
+            for who in (0, 1):
+                x = torch.randn(1, 27, 16)
+                reuse.begin(step / 10, 1, (1, 4, 6), (who,))
+                st = CallState(Spans(3, True, 0, 1, 4, 6), (2,), 1, False, reuse, parts)
+                with percall.active(pool, st):
+                    outs.append(fn(x, {"optimized_attention_override": pool,
+                                       "block_index": 0, "block_type": "double"}))
+        return outs
+
+    counter = torch._dynamo.testing.CompileCounter()
+    skip = {"guard_filter_fn": lambda entries: ["transformer_options" not in e.name
+                                                for e in entries]}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter, options=skip)
+    for got, want in zip(run(compiled), run(model)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert counter.frame_count <= 4  # of 20 calls
