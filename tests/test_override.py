@@ -99,12 +99,13 @@ def test_cross_attention_masks_unknown_lengths_and_unpooled_blocks_pass_through(
     func = backend(seen)
     exact = func(q, kv, kv, 2, skip_reshape=True)
     assert torch.equal(call(pool, func, q, kv, kv, state(), skip_reshape=True), exact)  # cross
-    mask = torch.zeros(1, 1, 27, 27)
+    mask = torch.zeros(1, 1, 27, 26)  # a mask over other keys than the call's: left alone
     x = torch.randn(1, 2, 27, 8)
-    assert torch.equal(call(pool, func, x, x, x, state(), skip_reshape=True, mask=mask,
+    sage = backend(seen, masks=False)  # drops the mask: the call runs
+    assert torch.equal(call(pool, sage, x, x, x, state(), skip_reshape=True, mask=mask,
                             transformer_options={"block_type": "double", "block_index": 0}),
-                       func(x, x, x, 2, skip_reshape=True, mask=mask))
-    assert pool.skipped == [(("double", 0), "an attention mask (pooling would misalign it)")]
+                       sage(x, x, x, 2, skip_reshape=True, mask=mask))
+    assert pool.skipped == [(("double", 0), percall.MASK)]
     y = torch.randn(1, 2, 30, 8)  # a length this call does not have
     assert torch.equal(call(pool, func, y, y, y, state(), skip_reshape=True),
                        func(y, y, y, 2, skip_reshape=True))
@@ -323,3 +324,32 @@ def test_compiled_calls_reuse_as_eager_with_a_few_graphs_not_one_per_step():
     for got, want in zip(run(compiled), run(model)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert counter.frame_count <= 4  # of 20 calls
+
+
+@pytest.mark.parametrize("proportional", [False, True])
+def test_a_text_mask_is_kept_and_pooled_with_the_keys(proportional):
+    """A joint call with a text mask (Qwen-Image's, HunyuanVideo's: padded text tokens
+    masked), boolean as ComfyUI hands it ([B, Sq, Sk]): the text keys keep their mask, the
+    image cells attend (a cell of masked image keys stays masked), with the bias added where
+    proportional. Reference: SDPA over hand-pooled cells with the mask written out."""
+    torch.manual_seed(7)
+    text, h, w = 3, 4, 5
+    n = text + h * w
+    q, k, v = (torch.randn(2, 2, n, 8) for _ in range(3))
+    mask = torch.ones(2, n, n, dtype=torch.bool)
+    mask[0, :, 2] = False  # the first image's last text token is padding
+    mask[1, :, text + 4] = False  # one image key of the second (row 0, column 4)
+    mask[1, :, text + 9] = False  # and a key of a full cell (row 1, column 4: with row 0)
+    seen = []
+    out = call(KvPool(), backend(seen), q, k, v, state(h=h, w=w, proportional=proportional),
+               skip_reshape=True, mask=mask)
+    assert seen[0][0] == text + 6
+    sizes = torch.tensor([1.0] * text + [4, 4, 2, 4, 4, 2])
+    keep = torch.zeros(2, 1, 1, text + 6)
+    keep[0, ..., 2] = float("-inf")
+    keep[1, ..., text + 2] = float("-inf")  # the cell of rows 0-1, column 4
+    if proportional:
+        keep = keep + sizes.log()
+    want = F.scaled_dot_product_attention(q, cells(k, text, h, w), cells(v, text, h, w),
+                                          attn_mask=keep).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)

@@ -80,13 +80,14 @@ class KvPool:
         f = state.factor(*block)
         if start is None or f <= 1:
             return None
-        if (args[4] if len(args) > 4 else kwargs.get("mask")) is not None:
+        mask = args[4] if len(args) > 4 else kwargs.get("mask")
+        if mask is not None and mask.shape[-1] != k.shape[dim]:
             percall.note(self.skipped, block, percall.MASK)
             return None
         self.flags["pooled"] = True
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-            if mask is None:
+            if mask is None and len(args) <= 4:
                 return _call(prev, func, (q, k, v, *args[3:]), kwargs)
             if len(args) > 4:
                 return _call(prev, func, (q, k, v, args[3], mask, *args[5:]), kwargs)
@@ -97,7 +98,7 @@ class KvPool:
                                  bias="mask" if masks else "channel",
                                  heads=args[3] if len(args) > 3 else kwargs.get("heads"),
                                  flat=not kwargs.get("skip_output_reshape"),
-                                 part=state.part(*block))
+                                 part=state.part(*block), mask=mask)
 
 
 def _call(prev: Any, func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -16,8 +16,9 @@ have called (its backend, or an override/function already there: chained, never 
 - queries and keys of one length = text + image (+ references): joint attention (Flux,
   Qwen-Image): the image span of the keys and values is pooled, per frame;
 - one length = the image (+ references): image-only self-attention (Wan): pooled alike;
-- anything else (cross-attention, a length it does not know) runs as without it; so does a
-  call with a mask (pooling would misalign it: named in ``skipped``).
+- anything else (cross-attention, a length it does not know) runs as without it. A call's own
+  mask (a text mask) is pooled along the keys with them (``key_mask``); one whose key axis
+  is not the call's runs as without it (named in ``skipped``).
 
 Queries and text stay whole, so every token keeps its output. Proportional attention
 (``log(cell size)`` on pooled keys) goes in as the kernel's mask where it adds one, else as
@@ -50,7 +51,7 @@ from .report import PatchReport
 # and Forge Neo's by name (Sage hands a mask to a kernel that ignores it, flash refuses it).
 MASK_BACKENDS = ("attention_basic", "attention_pytorch", "attention_split",
                  "attention_sub_quad", "attention_xformers")
-MASK = "an attention mask (pooling would misalign it)"
+MASK = "an attention mask whose keys are not the call's (pooling would misalign it)"
 
 
 class Spans(NamedTuple):
@@ -163,7 +164,7 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], Any]
 def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, dim: int, kernel: Kernel, plans: dict, *, rope: str = "before",
               pe: Any = None, bias: str | None = "mask", heads: int | None = None,
-              flat: bool = True, part: Any = None) -> Any:
+              flat: bool = True, part: Any = None, mask: torch.Tensor | None = None) -> Any:
     """One pooled attention call: the image span of ``k`` and ``v`` (sequence axis ``dim``,
     from ``start``) pooled per cell of ``state``'s grid at factor ``f``, then ``kernel(q, k,
     v, mask)``. ``pe``: a rotation embedding the host applies inside its function: the
@@ -173,7 +174,9 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
     says the kernel answers in that layout) or None (left out). ``part``: the block's part
     where this call reuses residuals (``state.reuse``): on a refresh the unpooled attention
     runs too and ``full - pooled`` is kept, between refreshes it is added (``Reuse.around``;
-    the output's sequence axis is 1 for ``[B, S, heads * D]``, 2 for ``[B, heads, S, D]``)."""
+    the output's sequence axis is 1 for ``[B, S, heads * D]``, 2 for ``[B, heads, S, D]``).
+    ``mask``: the call's own attention mask (keys on its last axis: a text mask), pooled
+    along the keys as they are (``key_mask``), the bias added to it."""
     n = k.shape[dim]
     p = cached_plan(plans, state.spans, f, rope, state.proportional)
     if pe is not None:
@@ -183,24 +186,43 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
         kp = p.pool(k, start, dim)
     vp = p.pool(v, start, dim)
     b = p.bias(start, n, k.device) if bias else None
+    m = None if mask is None else key_mask(p, mask, start, q.dtype)
     if b is None:
-        out = kernel(q, kp, vp, None)
+        out = kernel(q, kp, vp, m)
     elif bias == "mask":
-        out = kernel(q, kp, vp, b.to(q.dtype).view(1, 1, 1, -1))
+        b = b.to(q.dtype).view(1, 1, 1, -1)
+        out = kernel(q, kp, vp, b if m is None else m + b)
     else:
-        out = channel(kernel, q, kp, vp, b, dim, heads, flat)
+        out = channel(kernel, q, kp, vp, b, dim, heads, flat, m)
     if part is None or state.reuse is None:
         return out
 
     def full(rows: int | None = None) -> Any:  # the unpooled attention (keys rotated)
         return kernel(q if rows is None else q.narrow(dim, 0, rows),
-                      k if pe is None else dit.rotate(k, pe), v, None)
+                      k if pe is None else dit.rotate(k, pe), v, mask)
     return state.reuse.around((part, f), out, full, 1 if out.dim() == 3 else 2,
                               (start, start + p.tokens))
 
 
+def key_mask(p: dit.DitPlan, mask: torch.Tensor, start: int, dtype: torch.dtype
+             ) -> torch.Tensor:
+    """A call's attention mask for its pooled keys: as an additive mask (a boolean one's
+    False as ``-inf``) with ComfyUI's axes (``[Sq, Sk]``, ``[B, Sq, Sk]`` or 4-D), its image
+    span along the keys pooled like the keys: a cell's entry is the mean of its keys' (0
+    where they all attend, ``-inf`` where any is masked), the text part kept as it is."""
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, float("-inf"))
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    return p.pool(mask, start, mask.dim() - 1)
+
+
 def channel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: torch.Tensor, dim: int, heads: int | None, flat: bool) -> Any:
+            bias: torch.Tensor, dim: int, heads: int | None, flat: bool,
+            mask: torch.Tensor | None = None) -> Any:
     """The bias as one extra query/key channel per head (``attend.count_channel``) for a
     kernel that takes no mask; the kernel scales by its own (wider) head dim, which
     ``count_channel`` corrects; the extra channels are cut from the output."""
@@ -210,7 +232,7 @@ def channel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = attend.count_channel(q, k, v, bias, dim, attend.channel_width(d) ** -0.5)
     if dim == 1:
         q, k, v = (t.flatten(-2) for t in (q, k, v))
-    out = kernel(q, k, v, None)
+    out = kernel(q, k, v, mask)
     if not flat:  # [B, heads, S, D']
         return out[..., :d]
     return out.unflatten(-1, (heads, -1))[..., :d].flatten(-2)

@@ -118,7 +118,8 @@ class Pooled:
         f = state.factor(kind, index)
         if f <= 1:
             return original(q, k, v, *args, **kwargs)
-        if _arg(point.mask, args, kwargs) is not None:
+        mask = _arg(point.mask, args, kwargs)
+        if mask is not None and mask.shape[-1] != k.shape[point.dim]:
             percall.note(swap.skipped, ("attention", swap.block - 1), percall.MASK)
             return original(q, k, v, *args, **kwargs)
         swap.flags["pooled"] = True
@@ -127,13 +128,14 @@ class Pooled:
             args, kwargs = _with(point.pe, args, kwargs, None)
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-            a, kw = (args, kwargs) if mask is None else _with(point.mask, args, kwargs, mask)
+            a, kw = (args, kwargs) if mask is None and _arg(point.mask, args, kwargs) is None \
+                else _with(point.mask, args, kwargs, mask)
             return original(q, k, v, *a, **kw)
 
         return percall.pool_call(state, f, start, q, k, v, point.dim, kernel, swap.plans,
                                  rope=swap.applied.rope, pe=pe,
                                  bias="mask" if swap.masks else None,
-                                 part=state.part(kind, index))
+                                 part=state.part(kind, index), mask=mask)
 
 
 _POOLED: dict[Point, Pooled] = {}
