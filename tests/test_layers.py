@@ -26,7 +26,7 @@ LAYERS = [
     ("tome.plan",),
     ("tome.report",),
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
-    ("tome.modelpatcher", "tome.percall"),
+    ("tome.modelpatcher", "tome.percall", "tome.percall_runner"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
      "tome.swap"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
@@ -120,7 +120,7 @@ def test_adapters_and_the_measurement_never_import_each_other():
     """Measuring runs a block through whichever adapter's ``run_block`` it is handed: the
     timing room stays below both adapters, and neither adapter reaches up into it."""
     adapters = {"tome.patch", "tome.patcher", "tome.processors", "tome.override", "tome.swap",
-                "tome.percall", "tome.modelpatcher"}
+                "tome.percall", "tome.percall_runner", "tome.modelpatcher"}
     measuring = {"tome.measure", "tome.measurements"}
     crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
                 if {m, d} & adapters and {m, d} & measuring]

@@ -380,12 +380,12 @@ def test_the_override_runner_times_the_host_kernel_unpooled_and_through_kvpool(m
     import sys
     import types
 
-    from tome import dit, percall
+    from tome import dit, percall_runner
     seen = []
 
     def attention_pytorch(q, k, v, heads, mask=None, **kw):
         seen.append((k.shape[1], heads, mask is not None))
-        return percall._sdpa(q, k, v, heads, mask)
+        return percall_runner._sdpa(q, k, v, heads, mask)
 
     host = types.ModuleType("fake_host_attention")
     host.optimized_attention = attention_pytorch
@@ -396,7 +396,7 @@ def test_the_override_runner_times_the_host_kernel_unpooled_and_through_kvpool(m
     ran = []
     for m in (block.qkv, block.mlp):
         m.register_forward_hook(lambda mod, args, out: ran.append(args[0].shape[-1]))
-    run = percall.runner(("fake_host_attention", "optimized_attention"))
+    run = percall_runner.runner(("fake_host_attention", "optimized_attention"))
     x = torch.randn(2, 8 * 12, 32)
     cfg = ToMeConfig(method="downsample", downsample_factor=2)
     planner = Planner(cfg, 2, method=dit.method_for(cfg))
@@ -405,7 +405,7 @@ def test_the_override_runner_times_the_host_kernel_unpooled_and_through_kvpool(m
     assert run(block, x, None, planner, None).shape == x.shape
     assert run(block, x, None, planner, plan).shape == x.shape
     assert seen == [(96, 2, False), (24, 2, True)] and ran == [32, 128] * 2
-    assert M.width(block) == 32 and percall.heads_of(block, 32) == 2
+    assert M.width(block) == 32 and percall_runner.heads_of(block, 32) == 2
 
 
 def test_auto_on_forge_neo_dits_measures_through_its_kernel(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from . import modelpatcher, override, patch, patcher, percall, processors, swap
+from . import modelpatcher, override, patch, patcher, percall, percall_runner, processors, swap
 from .config import ToMeConfig
 from .dits import (
     comfy_flux,
@@ -42,15 +42,17 @@ MODULES, MODEL_PATCHER = "modules", "model patcher"
 def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
     """How a block of this model runs merged for measuring under ``contract``: the hooks' or
     the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet,
-    the per-call core's (``percall.runner``: ComfyUI's backend, or Forge Neo's kernel) for a
+    the per-call core's (``percall_runner``: ComfyUI's backend, or Forge Neo's kernel) for a
     DiT behind a ModelPatcher; None where the contract cannot time the model (a DiT family
     neither form knows: the auto policy's token thresholds decide there)."""
     if contract == MODEL_PATCHER:
         if layout.dit is None:
             return patcher.run_block
         if layout.family in NEO:
-            return percall.runner(swap.KERNEL)
-        return percall.runner(override.COMFY_KERNEL) if layout.family in COMFY_SPANS else None
+            return percall_runner.runner(swap.KERNEL)
+        if layout.family in COMFY_SPANS:
+            return percall_runner.runner(override.COMFY_KERNEL)
+        return None
     return processors.runner(layout) if layout.dit is not None else patch.run_block
 
 

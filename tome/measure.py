@@ -7,7 +7,7 @@ scales the figures to the whole level (blocks at the level, plans built per call
 spread of its rounds; ``decide`` turns a row into a yes/no with a safety margin, and a row whose
 rounds disagree about it (a busy machine) is timed again, then uncertain: never merged. How a
 block runs merged is the host adapter's business (``runner``: ``patch.run_block`` for hooks,
-``patcher.run_block`` for the ModelPatcher contract, ``percall.runner`` for a DiT reached
+``patcher.run_block`` for the ModelPatcher contract, ``percall_runner.runner`` for a DiT reached
 per call: ComfyUI's override, Forge Neo's swap), so this room imports no adapter;
 remembering results is ``measurements.py``'s.
 
