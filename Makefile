@@ -21,20 +21,20 @@ $(STAMP): pyproject.toml
 
 # Grid of images, quality-vs-speed plot and table on the shipped tiny model (out/showcase/).
 demo: setup
-	$(PY) -m tome.lab.showcase
+	$(PY) -m tome_lab.showcase
 
 # One SD1.5 UNet forward with and without ToMe (random weights): speed only.
 speed-demo: setup
-	$(PY) -m tome.lab.speed_demo
+	$(PY) -m tome_lab.speed_demo
 
-# SD1.5 at 256 px and the matching step, unmerged vs tomesd vs ours (python -m tome.bench works too).
+# SD1.5 at 256 px and the matching step, unmerged vs tomesd vs ours (python -m tome_lab.bench works too).
 bench: setup
-	$(PY) -m tome.lab.bench --quick
+	$(PY) -m tome_lab.bench --quick
 
 # Flux- and SD3-shaped transformers at 512 to 2048 px, unpooled vs pooled image keys/values
 # (docs/speed.md#dits-flux-sd3; about 30 min on one CPU thread).
 bench-dit: setup
-	$(PY) -m tome.lab.dit_bench
+	$(PY) -m tome_lab.dit_bench
 
 test: setup
 	$(PY) -m pytest -q

@@ -1,5 +1,5 @@
 """Real UNets built from their configs with random weights, small enough for CI, and the
-helpers the library's tests share. Independent of the lab (``tome.lab``), so the library's
+helpers the library's tests share. Independent of the lab (``tome_lab``), so the library's
 tests do not move when the benchmark does."""
 
 from __future__ import annotations

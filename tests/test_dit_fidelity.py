@@ -251,7 +251,7 @@ def test_residual_reuse_keeps_full_minus_pooled_and_adds_it_between_refreshes():
 
 
 def test_reuse_on_a_patched_dit_changes_only_the_steps_between_refreshes():
-    from tome.lab import tinydit
+    from tome_lab import tinydit
     model = tinydit.build_model()
     ref = tinydit.sample(model, [0], seed=0, steps=3)
     tome.apply_patch(model, method="downsample", downsample_factor=2, reuse=20)
@@ -314,7 +314,7 @@ def test_a_unet_patched_with_a_preset_is_unchanged_by_the_dit_fields():
 
 
 def test_a_dit_patched_with_a_preset_runs_the_dit_point():
-    from tome.lab import tinydit
+    from tome_lab import tinydit
     model = tinydit.build_model()
     for name in ("quality", "fast"):
         tome.apply_patch(model, config=preset(name, policy="fixed"))
@@ -371,7 +371,7 @@ def test_schedule_parses_describes_and_refuses():
 
 
 def test_each_block_pools_by_its_scheduled_factor_at_each_step():
-    from tome.lab import tinydit
+    from tome_lab import tinydit
     model = tinydit.build_model()
     tome.apply_patch(model, method="downsample", schedule="all:2@0-0.5,inner:4@0.5-1,last:1")
     seen = []
@@ -398,7 +398,7 @@ def test_each_block_pools_by_its_scheduled_factor_at_each_step():
 # ----------------------------------------------------------------------------- the lab
 
 def test_dit_frontier_writes_its_table_plot_and_grid(tmp_path, monkeypatch):
-    from tome.lab import dit_frontier
+    from tome_lab import dit_frontier
     monkeypatch.setattr(dit_frontier, "APPROACHES", {
         "plain pooling": [("x2", {"downsample_factor": 2, "proportional": False})],
         "proportional": [("x2", {"downsample_factor": 2})]})

@@ -14,10 +14,10 @@ import torch
 
 import tome
 from tome.config import ToMeConfig
-from tome.lab import bench, device, models, report, run, timing
-from tome.lab import settings as lab_settings
-from tome.lab.matching import run_matching
-from tome.lab.settings import Setting
+from tome_lab import bench, device, models, report, run, timing
+from tome_lab import settings as lab_settings
+from tome_lab.matching import run_matching
+from tome_lab.settings import Setting
 
 torch.set_num_threads(1)
 
@@ -456,10 +456,8 @@ def test_matching_suite_small():
     assert "| ours, local" in report.matching_table(rows)
 
 
-def test_cli_matching_and_shim(capsys):
+def test_cli_matching(capsys):
     pytest.importorskip("tomesd")
-    import tome.bench as shim
-    assert shim.main is bench.main
     assert bench.main(["--suite", "matching", "--tokens", "256", "--channels", "8",
                        "--no-progress", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -468,7 +466,7 @@ def test_cli_matching_and_shim(capsys):
 
 def test_profiler_says_nothing_on_stderr():
     """torch 2.13's CPU profiler prints USDT profiler_start/stop lines from C++ (fd 2)."""
-    code = ("import torch\nfrom tome.lab.timing import peak_memory\nr = {}\n"
+    code = ("import torch\nfrom tome_lab.timing import peak_memory\nr = {}\n"
             "with peak_memory(r, 'cpu'):\n    torch.ones(64, 64) @ torch.ones(64, 64)\n"
             "print(r['peak'] > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -480,8 +478,8 @@ def test_profiler_says_nothing_on_stderr():
 def test_sweep_compares_measured_decisions_with_unet_calls(tmp_path, capsys):
     from models import TINY_SD15, ldm_unet
 
-    from tome.lab import sweep
-    from tome.lab.models import Case
+    from tome_lab import sweep
+    from tome_lab.models import Case
 
     unet = ldm_unet(TINY_SD15)
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 
 
 def test_dit_bench_quick_runs_every_variant(tmp_path, capsys):
-    from tome.lab import dit_bench
+    from tome_lab import dit_bench
     assert dit_bench.main(["--quick", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "dit_bench.json").read_text())
     rows = {r["family"]: r for r in data["rows"]}
@@ -26,7 +26,7 @@ def test_dit_bench_quick_runs_every_variant(tmp_path, capsys):
 def test_dit_bench_quick_covers_qwen_and_a_video_dit(tmp_path):
     """Qwen-Image and Wan (a video: its rows are WxHxF, with the 2x2x2 variant), the library's
     memory check per size and the auto policy's decision."""
-    from tome.lab import dit_bench
+    from tome_lab import dit_bench
     assert dit_bench.main(["--quick", "--models", "qwen,wan", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "dit_bench.json").read_text())
     rows = {r["family"]: r for r in data["rows"]}
@@ -39,7 +39,7 @@ def test_dit_bench_quick_covers_qwen_and_a_video_dit(tmp_path):
 
 
 def test_video_quality_compares_2x2_and_2x2x2():
-    from tome.lab import dit_shapes, video_quality
+    from tome_lab import dit_shapes, video_quality
     size = dit_shapes.Size.parse("128x96x9")
     model = dit_shapes.build("wan", (1, 0), True, torch.float32)
     video_quality.unit_norms(model)
@@ -55,7 +55,7 @@ def test_video_quality_compares_2x2_and_2x2x2():
 
 
 def test_tiny_dit_samples_deterministically():
-    from tome.lab import tinydit
+    from tome_lab import tinydit
     try:
         model = tinydit.load_model()
     except FileNotFoundError:
@@ -68,7 +68,7 @@ def test_tiny_dit_samples_deterministically():
 
 def test_tiny_dit_is_pooled_through_its_transformer():
     import tome
-    from tome.lab import tinydit
+    from tome_lab import tinydit
     model = tinydit.build_model().eval()
     ref = tinydit.sample(model, [2], seed=0, steps=2, size=32)
     tome.apply_patch(model, method="downsample", downsample_factor=2, rope="before")
@@ -82,7 +82,7 @@ def test_tiny_dit_is_pooled_through_its_transformer():
 
 def test_dit_quality_rows_have_the_heldout_loss():
     """Every setting gets the held-out loss; the unpooled row is the reference (+0%)."""
-    from tome.lab import dit_quality, tinydit
+    from tome_lab import dit_quality, tinydit
     model = tinydit.build_model().eval()
     g = torch.Generator().manual_seed(0)
     heldout = (torch.rand(2, 3, 32, 32, generator=g), torch.tensor([0, 1]))

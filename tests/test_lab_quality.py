@@ -9,8 +9,8 @@ import torch
 
 import tome
 from tome.config import ToMeConfig
-from tome.lab import quality, report, showcase, tinyldm
-from tome.lab.settings import parse_settings
+from tome_lab import quality, report, showcase, tinyldm
+from tome_lab.settings import parse_settings
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_quality_worsens_with_the_ratio(model):
 
 def _heldout():
     """The held-out crops if the photos are already cached (no download from a test)."""
-    from tome.lab.tinyldm import data
+    from tome_lab.tinyldm import data
 
     if not (data.default_cache_dir() / f"photos{data.SHORT_SIDE}.npz").is_file():
         return None  # only the image figures are checked

@@ -7,8 +7,8 @@ import socket
 import pytest
 import torch
 
-from tome.lab import tinyldm
-from tome.lab.tinyldm import data
+from tome_lab import tinyldm
+from tome_lab.tinyldm import data
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ LAYERS = [
     ("tome.survey",),   # the host kit: the measuring service, "measure now" for every host
     ("tome",),          # the package's public API (__init__)
     ("tome.webui", "tome.comfy"),    # the hosts' layers, and everything under them
-    ("tome.lab", "tome.bench"),
 ]
 
 
@@ -108,6 +107,19 @@ def test_only_the_webui_layer_imports_the_webui():
     outside = [m for m, p in ((_name(p), p) for p in ROOT.rglob("*.py"))
                if not m.startswith("tome.webui") and "from modules" in p.read_text()]
     assert not outside, outside
+
+
+def test_the_library_never_imports_the_lab():
+    """The lab (``tome_lab/``: benchmarks, the demo, the tiny models' weights) sits beside the
+    package and is not shipped with it: no module of ``tome`` may import it, even lazily."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{_name(path)} -> {n}" for n in names if n.split(".")[0] == "tome_lab"]
+    assert not found, found
+    assert not (ROOT / "lab").exists() and not (ROOT / "bench.py").exists()
 
 
 def test_torch_minimum_is_one_number():

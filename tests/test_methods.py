@@ -13,7 +13,7 @@ import tome
 from tome import config, methods, policy
 from tome.adapters import patch_model_patcher as patch_unet
 from tome.config import ToMeConfig
-from tome.lab.settings import Setting
+from tome_lab.settings import Setting
 
 
 class SubsamplePlan:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import tome
 from tome import config, processors
-from tome.lab import tinydit
-from tome.lab.tinydit.model import NULL, TEXT_TOKENS, schedule
+from tome_lab import tinydit
+from tome_lab.tinydit.model import NULL, TEXT_TOKENS, schedule
 
 
 @pytest.fixture(scope="module")

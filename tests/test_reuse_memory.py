@@ -32,7 +32,7 @@ RESIDUALS = BLOCKS * (TEXT + IMAGE) * WIDTH * FP32
 
 @functools.lru_cache(maxsize=1)
 def _tiny():
-    from tome.lab.tinydit import model
+    from tome_lab.tinydit import model
     return model
 
 
@@ -98,7 +98,7 @@ def test_the_estimate_is_what_each_family_holds(family, blocks, size):
     """Joint attention (Flux's double and single blocks, Qwen-Image), SD3.5's image-only
     second attention, Wan's self-attention over a video: after two refreshes each holds what
     the budget estimated at its first call."""
-    from tome.lab import dit_shapes
+    from tome_lab import dit_shapes
     model = dit_shapes.build(family, blocks, True, torch.float32)
     tome.apply_patch(model, config=preset("quality", policy="fixed", reuse=1))
     try:
@@ -328,10 +328,10 @@ def test_nothing_is_kept_after_a_generation_ends_or_raises(error):
 # ----------------------------------------------------------------------------- the lab
 
 def test_the_frontier_prints_what_reuse_keeps_and_each_ladder_steps_fidelity(tmp_path):
-    """``python -m tome.lab.dit_frontier --ladder``: the quality preset at each ladder step
+    """``python -m tome_lab.dit_frontier --ladder``: the quality preset at each ladder step
     and without reuse, with what reuse held, and the estimator's table of released models
     (Flux at 2048 px, Wan at 480p x 81 frames) with the step a 24 and an 80 GiB card land on."""
-    from tome.lab import dit_frontier
+    from tome_lab import dit_frontier
     rows = dit_frontier.run(tmp_path, steps=6, seeds=(0,), ladder_only=True)
     names = [r["setting"] for r in rows]
     assert names[0] == "unpooled" and len(names) == 2 + len(memory.ladder(torch.float32, "cpu"))

@@ -5,7 +5,7 @@ on each kernel path, and residual reuse.
   PyTorch's SDPA as an additive ``[1, 1, 1, S]`` mask (``sdpa``), or, for kernels that take
   no mask (flash-attn and the like behind diffusers' dispatcher, a host's own joint
   attention), as one extra query/key channel (``count_channel``).
-  ``python -m tome.lab.dit_bias_bench`` times both (docs/quality.md#dit).
+  ``python -m tome_lab.dit_bias_bench`` times both (docs/quality.md#dit).
 - ``Reuse``: every N steps a pooled block also runs unpooled and keeps ``full - pooled``,
   added to the pooled output on the steps between.
 

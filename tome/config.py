@@ -351,7 +351,7 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
     "fast": {"method": "downsample", "downsample_factor": 4, "max_downsample": 2,
              "policy": "auto"},
 }
-# DiT points (docs/quality.md#dit, `python -m tome.lab.dit_frontier`): image keys/values
+# DiT points (docs/quality.md#dit, `python -m tome_lab.dit_frontier`): image keys/values
 # pooled x8 in every block with proportional attention, the full attention's residual
 # refreshed every 5 (quality) or 10 (fast) steps. On the tiny DiT (8 images, 20 steps, one
 # thread) 30.8 dB at 1.32x and 26.0 dB at 1.47x, where x2 throughout gives 22.3 dB at 1.42x

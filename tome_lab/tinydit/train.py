@@ -1,6 +1,6 @@
-"""Train the tiny DiT on the tiny UNet's photos (``tome.lab.tinyldm.data``), on one CPU thread.
+"""Train the tiny DiT on the tiny UNet's photos (``tome_lab.tinyldm.data``), on one CPU thread.
 
-    OMP_NUM_THREADS=1 python -m tome.lab.tinydit.train --out out/tinydit_run --minutes 40
+    OMP_NUM_THREADS=1 python -m tome_lab.tinydit.train --out out/tinydit_run --minutes 40
 
 Phases ``size:batch:minutes`` (32 px first: a quarter of the tokens, a fifth of the step time;
 RoPE positions carry over as the grid grows), AdamW with warm-up, gradient clipping, an EMA of
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     g_data, g_noise = (torch.Generator().manual_seed(args.seed + i) for i in (0, 1))
     meta = {"config": json.dumps(model.config), "seed": args.seed, "phases": args.phases,
-            "command": "python -m tome.lab.tinydit.train "
+            "command": "python -m tome_lab.tinydit.train "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "data_sources": data.sources(), "torch": torch.__version__}
     print(f"params {num_params(model) / 1e6:.2f}M, phases {phases}", flush=True)

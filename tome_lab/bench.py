@@ -1,16 +1,16 @@
 """Benchmark: real UNets from config (random weights), unmerged vs tomesd vs our methods.
 
-    python -m tome.bench --quick                       # a few minutes on one CPU thread
-    python -m tome.bench --device cuda --sizes 512,1024,2048       # SD1.5 and SDXL on a GPU
-    python -m tome.bench --model sd15 --sizes 1024 --dtype bf16 --ratios 0.5 --factors 2,4
-    python -m tome.bench --device cuda --compile --sizes 1024
-    python -m tome.bench --suite matching --tokens 65536
+    python -m tome_lab.bench --quick                       # a few minutes on one CPU thread
+    python -m tome_lab.bench --device cuda --sizes 512,1024,2048       # SD1.5 and SDXL on a GPU
+    python -m tome_lab.bench --model sd15 --sizes 1024 --dtype bf16 --ratios 0.5 --factors 2,4
+    python -m tome_lab.bench --device cuda --compile --sizes 1024
+    python -m tome_lab.bench --suite matching --tokens 65536
 
 Every setting of a case runs on the same model and inputs, interleaved (A B C, C B A, ...)
 after warm-up; the median is reported. ``--device auto`` takes CUDA, then MPS, then the CPU;
 the dtype defaults to fp16 on GPUs and, on CPUs, to bf16 only where it is native (AMX,
-AVX512-BF16), else fp32. The run loop is ``tome.lab.run``, the settings ``tome.lab.settings``,
-the output ``tome.lab.report``.
+AVX512-BF16), else fp32. The run loop is ``tome_lab.run``, the settings ``tome_lab.settings``,
+the output ``tome_lab.report``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _ints(s: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tome.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tome_lab.bench", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=("unet", "matching", "all"), default="unet")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (default): cuda, then mps, then cpu")

@@ -1,7 +1,7 @@
 """Does the measured auto policy decide right? Measured decisions against whole UNet calls.
 
-    python -m tome.lab.sweep                 # SD1.5 and SDXL shapes, several sizes (CPU: long)
-    python -m tome.lab.sweep --models sd15 --sizes 256,512 --repeats 3 --threads 1
+    python -m tome_lab.sweep                 # SD1.5 and SDXL shapes, several sizes (CPU: long)
+    python -m tome_lab.sweep --models sd15 --sizes 256,512 --repeats 3 --threads 1
 
 For each model and size: ``tome.measure.measure`` times every candidate level (one block per
 level, as the auto policy does at a generation's first call); then whole UNet calls are timed,
@@ -248,7 +248,7 @@ def combine(dirs: list[str], out: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tome.lab.sweep", description=__doc__.split(
+    ap = argparse.ArgumentParser(prog="python -m tome_lab.sweep", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="sd15,sdxl")
     ap.add_argument("--sizes", default=None, help="px, comma-separated (default per model)")

@@ -1,9 +1,9 @@
 """DiT speed: Flux-, SD3-, Qwen-Image- and Wan-shaped transformers, unpooled against pooled
 image keys/values.
 
-    python -m tome.lab.dit_bench            # Flux and SD3 at 512, 768, 1024 and 2048 px
-    python -m tome.lab.dit_bench --models qwen,wan --sizes 1024,2048 --video-sizes 832x480x33
-    python -m tome.lab.dit_bench --quick    # tiny widths at small sizes, one round (a test)
+    python -m tome_lab.dit_bench            # Flux and SD3 at 512, 768, 1024 and 2048 px
+    python -m tome_lab.dit_bench --models qwen,wan --sizes 1024,2048 --video-sizes 832x480x33
+    python -m tome_lab.dit_bench --quick    # tiny widths at small sizes, one round (a test)
 
 The models are diffusers' ``FluxTransformer2DModel`` with FLUX.1-dev's config (24 heads x 128
 = 3072 wide, T5 width 4096, pooled CLIP 768, RoPE axes 16/56/56, guidance embedding) and
@@ -440,7 +440,7 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tome.lab.dit_bench",
+    ap = argparse.ArgumentParser(prog="python -m tome_lab.dit_bench",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="flux,sd3", help=f"from {','.join(FAMILIES)}")
     ap.add_argument("--sizes", default="512,768,1024,2048",

@@ -234,7 +234,7 @@ def quality_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table (images and raw times left out).
 
     Loss columns appear when the rows have held-out losses, an SD1.5 column when
-    ``sd_deviation`` was added to them (see ``python -m tome.lab.showcase --sd``).
+    ``sd_deviation`` was added to them (see ``python -m tome_lab.showcase --sd``).
     """
     ts = list(rows[0].get("loss", {}))
     head = ["setting", "s / image", "speed-up", "MSE", "PSNR (dB)", "SSIM"]

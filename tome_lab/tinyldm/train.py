@@ -1,6 +1,6 @@
 """Train the tiny diffusion model on one CPU thread.
 
-    OMP_NUM_THREADS=1 python -m tome.lab.tinyldm.train --out out/tinyldm --seed 0 --minutes 60
+    OMP_NUM_THREADS=1 python -m tome_lab.tinyldm.train --out out/tinyldm --seed 0 --minutes 60
 
 Training is progressive: first 32x32 crops (the top level then has 1024 tokens, so
 attention costs 16x less), then 64x64 crops at the same pixel density; the UNet is
@@ -190,7 +190,7 @@ def main(argv=None) -> None:
         "lr": args.lr,
         "ema": args.ema,
         "data_sources": data.sources(),
-        "command": "python -m tome.lab.tinyldm.train "
+        "command": "python -m tome_lab.tinyldm.train "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "dtype": "float16",

@@ -1,13 +1,13 @@
 """See what each ToMe setting costs: a grid of images, a quality-vs-speed plot and a table.
 
-    python -m tome.lab.showcase                 # about 2 minutes on one CPU core, fp32
-    python -m tome.lab.showcase --steps 20 --timesteps 100,300,500,700,900   # the docs' run
-    python -m tome.lab.showcase --seeds 0,1 --steps 25 --threads 2 --out out/showcase
-    python -m tome.lab.showcase --preset full   # every method and option of the library
+    python -m tome_lab.showcase                 # about 2 minutes on one CPU core, fp32
+    python -m tome_lab.showcase --steps 20 --timesteps 100,300,500,700,900   # the docs' run
+    python -m tome_lab.showcase --seeds 0,1 --steps 25 --threads 2 --out out/showcase
+    python -m tome_lab.showcase --preset full   # every method and option of the library
 
-Uses the small diffusion model shipped in ``tome/lab/tinyldm`` (trained on photos, real ``ldm``
+Uses the small diffusion model shipped in ``tome_lab/tinyldm`` (trained on photos, real ``ldm``
 UNet, 4096 tokens at its top level as SD 1.5 at 512 px), then the tiny DiT of
-``tome/lab/tinydit`` (diffusers Flux blocks) unpooled and pooled (``dit_quality.py``). Every
+``tome_lab/tinydit`` (diffusers Flux blocks) unpooled and pooled (``dit_quality.py``). Every
 setting samples the same seeds, so each image can be compared with the unmerged one above its
 caption: PSNR/SSIM measure how far it drifted. The held-out loss says whether the model got worse at
 denoising photos it never saw (needs the photo packages; skipped when unavailable).
@@ -61,7 +61,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tome.lab.showcase",
+    p = argparse.ArgumentParser(prog="python -m tome_lab.showcase",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out/showcase", help="output folder (default out/showcase)")
     p.add_argument("--steps", type=int, default=10,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{what}, {torch.get_num_threads()} CPU thread(s)"
     report.quality_plot(rows, str(out / "quality_vs_speed.png"), title=title)
 
-    cmd = "python -m tome.lab.showcase" + (" " + " ".join(argv if argv is not None
+    cmd = "python -m tome_lab.showcase" + (" " + " ".join(argv if argv is not None
                                                       else sys.argv[1:])).rstrip()
     clock = ("CPU seconds of the sampling thread, so other processes on a busy machine do "
              "not inflate it; on an idle machine it equals wall time" if rows[0]["clock"] == "cpu"

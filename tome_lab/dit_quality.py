@@ -1,9 +1,9 @@
-"""The DiT rows of the showcase: the tiny trained DiT (``tome/lab/tinydit``) unpooled against
+"""The DiT rows of the showcase: the tiny trained DiT (``tome_lab/tinydit``) unpooled against
 image keys/values pooled: plain (no proportional attention), x2 and x4 with it, x2 with the
 other RoPE option and in the second half of sampling only, and the presets' DiT points, on
 the same seeds.
 
-    python -m tome.lab.dit_quality      # also run by `make demo` (python -m tome.lab.showcase)
+    python -m tome_lab.dit_quality      # also run by `make demo` (python -m tome_lab.showcase)
 
 Every setting samples the same (class, seed) images with the same noise; the settings run
 interleaved per image, timed on the sampling thread's CPU clock. PSNR/SSIM compare each image
@@ -196,7 +196,7 @@ def run(out: Path, steps: int = 20, size: int = 64, seeds=(0,), classes=(0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tome.lab.dit_quality",
+    p = argparse.ArgumentParser(prog="python -m tome_lab.dit_quality",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out/showcase")
     p.add_argument("--steps", type=int, default=20)

@@ -1,8 +1,8 @@
 """Does pooling pairs of frames too (2x2x2 cells) keep a video? A Wan-shaped transformer's
 output, pooled per frame (2x2) or across pairs of frames (2x2x2), against the unpooled one.
 
-    python -m tome.lab.video_quality                 # Wan 2.1 1.3B's width, 832x480x33
-    python -m tome.lab.video_quality --quick         # tiny width and size (a test)
+    python -m tome_lab.video_quality                 # Wan 2.1 1.3B's width, 832x480x33
+    python -m tome_lab.video_quality --quick         # tiny width and size (a test)
 
 No trained video DiT ships here (nor may one be downloaded), so the model has random weights
 (std 0.02) with its norms' weights at 1 as initialised (random norm weights would shrink the
@@ -127,7 +127,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tome.lab.video_quality",
+    ap = argparse.ArgumentParser(prog="python -m tome_lab.video_quality",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="832x480x33", help="WxHxF")
     ap.add_argument("--blocks", type=int, default=4, help="Wan blocks")

@@ -7,7 +7,7 @@ merged sequence (``[kept | destinations]``, sizes from the merge plan), through 
 replacement of its attention forward, and the images are compared with plain merging at the
 same ratios and on the same seeds.
 
-    python -m tome.lab.unet_proportional       # ~3 min on one thread
+    python -m tome_lab.unet_proportional       # ~3 min on one thread
 """
 
 from __future__ import annotations

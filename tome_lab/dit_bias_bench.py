@@ -2,8 +2,8 @@
 with the bias as an additive [1, 1, 1, S] mask (SDPA), and with it as one extra query/key
 channel (``tome.attend.count_channel``, padded to 8: the path for kernels that take no mask).
 
-    python -m tome.lab.dit_bias_bench             # this machine's CPU, one thread
-    python -m tome.lab.dit_bias_bench --device cuda   # prints the same table on a GPU
+    python -m tome_lab.dit_bias_bench             # this machine's CPU, one thread
+    python -m tome_lab.dit_bias_bench --device cuda   # prints the same table on a GPU
 
 Shapes: the tiny DiT (1024 image tokens, 3 heads x 32) and Flux at 1024 px (4096 image
 tokens, 512 text, 24 heads x 128), image keys pooled x2. Variants interleaved per round; the
@@ -58,7 +58,7 @@ def timed(fn, device: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tome.lab.dit_bias_bench",
+    p = argparse.ArgumentParser(prog="python -m tome_lab.dit_bias_bench",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--rounds", type=int, default=15)

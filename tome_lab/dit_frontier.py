@@ -2,8 +2,8 @@
 one line per approach (plain pooling, proportional attention, step/block schedules, residual
 reuse), and the presets' points on it.
 
-    python -m tome.lab.dit_frontier            # ~8 min on one thread; writes out/dit-frontier/
-    python -m tome.lab.dit_frontier --ladder   # only the quality preset's memory ladder (~4 min)
+    python -m tome_lab.dit_frontier            # ~8 min on one thread; writes out/dit-frontier/
+    python -m tome_lab.dit_frontier --ladder   # only the quality preset's memory ladder (~4 min)
 
 8 images (classes 0-3, seeds 0 and 4), 20 Euler steps, 64 px, fp32, one thread, every setting
 on the same seeds and noise, interleaved per image (``dit_quality.evaluate``); PSNR against
@@ -245,7 +245,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tome.lab.dit_frontier",
+    p = argparse.ArgumentParser(prog="python -m tome_lab.dit_frontier",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out/dit-frontier")
     p.add_argument("--steps", type=int, default=20)

@@ -1,6 +1,6 @@
 """A one-minute look at ToMe on the real SD1.5 UNet (random weights, built from its config).
 
-    python -m tome.lab.speed_demo [--size 512] [--ratio 0.5] [--device auto] [--dtype auto]
+    python -m tome_lab.speed_demo [--size 512] [--ratio 0.5] [--device auto] [--dtype auto]
 
 Patches the model, prints which blocks were patched and how many tokens each level merged,
 and times one forward pass against the unpatched model (interleaved, median of repeats).
@@ -23,7 +23,7 @@ from .timing import Timer
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tome.lab.speed_demo",
+    ap = argparse.ArgumentParser(prog="python -m tome_lab.speed_demo",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=512, help="image size in pixels (latent = /8)")
     ap.add_argument("--ratio", type=float, default=0.5)
