@@ -26,9 +26,9 @@ LAYERS = [
     ("tome.plan",),
     ("tome.report",),
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
-    ("tome.modelpatcher", "tome.percall", "tome.percall_runner"),
+    ("tome.modelpatcher", "tome.percall"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
-     "tome.swap"),
+     "tome.swap", "tome.percall_runner"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
     ("tome.measurements",),
     ("tome.survey",),   # the host kit: the measuring service, "measure now" for every host

@@ -353,3 +353,36 @@ def test_a_text_mask_is_kept_and_pooled_with_the_keys(proportional):
     want = F.scaled_dot_product_attention(q, cells(k, text, h, w), cells(v, text, h, w),
                                           attn_mask=keep).transpose(1, 2).flatten(2)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_per_call_runner_times_reuses_refresh_share(monkeypatch):
+    """With residual reuse (N = 5) the auto policy's run of a pooled block also runs the
+    unpooled attention on 1/N of the queries against every key (the refresh's share), as
+    the generation will: the backend sees the pooled keys, then all keys for 20 of 96
+    queries; without reuse only the pooled call."""
+    import sys
+    import types
+
+    from tome import dit, percall_runner
+    from tome.config import ToMeConfig
+    from tome.plan import Planner
+    seen = []
+
+    def attention_pytorch(q, k, v, heads, mask=None, **kw):
+        seen.append((q.shape[1], k.shape[1]))
+        return percall_runner._sdpa(q, k, v, heads, mask)
+
+    host = types.ModuleType("fake_host_attention")
+    host.optimized_attention = attention_pytorch
+    monkeypatch.setitem(sys.modules, "fake_host_attention", host)
+    block = torch.nn.Module()
+    block.num_heads, block.qkv = 2, torch.nn.Linear(32, 96)
+    x = torch.randn(1, 8 * 12, 32)
+    cfg = ToMeConfig(method="downsample", downsample_factor=2)
+    planner = Planner(cfg, 2, method=dit.method_for(cfg))
+    plan = planner.plan(planner.begin((16, 24), x.device, 1.0), x)
+    for reuse, want in ((0, [(96, 24)]), (5, [(96, 24), (20, 96)])):
+        seen.clear()
+        out = percall_runner.runner(("fake_host_attention", "optimized_attention"), reuse)(
+            block, x, None, planner, plan)
+        assert out.shape == x.shape and seen == want

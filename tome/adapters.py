@@ -39,19 +39,20 @@ from .report import STATE_ATTR, PatchReport
 MODULES, MODEL_PATCHER = "modules", "model patcher"
 
 
-def runner(layout: Layout, contract: str = MODULES) -> Callable | None:
+def runner(layout: Layout, contract: str = MODULES, reuse: int = 0) -> Callable | None:
     """How a block of this model runs merged for measuring under ``contract``: the hooks' or
     the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet,
     the per-call core's (``percall_runner``: ComfyUI's backend, or Forge Neo's kernel) for a
     DiT behind a ModelPatcher; None where the contract cannot time the model (a DiT family
-    neither form knows: the auto policy's token thresholds decide there)."""
+    neither form knows: the auto policy's token thresholds decide there). ``reuse``: the
+    settings' N, whose refresh share a per-call runner times too."""
     if contract == MODEL_PATCHER:
         if layout.dit is None:
             return patcher.run_block
         if layout.family in NEO:
-            return percall_runner.runner(swap.KERNEL)
+            return percall_runner.runner(swap.KERNEL, reuse)
         if layout.family in COMFY_SPANS:
-            return percall_runner.runner(override.COMFY_KERNEL)
+            return percall_runner.runner(override.COMFY_KERNEL, reuse)
         return None
     return processors.runner(layout) if layout.dit is not None else patch.run_block
 
@@ -173,7 +174,8 @@ def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
     if measurer is not None and planner is not None and not done[1].nothing \
             and planner.config.policy == "auto":
         planner.measurer = measurer.for_model(layout.root, planner.config,
-                                              runner(layout, MODEL_PATCHER))
+                                              runner(layout, MODEL_PATCHER,
+                                                     planner.config.reuse))
     return done
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from . import dit
 from .percall import MASK_BACKENDS, CallState, Spans, pool_call
+from .processors import _Refresh  # reuse's per-step cost, as the processors' runner times it
 
 
 class _Timed:
@@ -24,14 +25,18 @@ class _Timed:
         self.plans: dict[tuple, dit.DitPlan] = {}
 
 
-def runner(kernel: tuple[str, str]) -> Callable:
+def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
     """``measure``'s runner for a DiT whose attention is reached per call (ComfyUI's override,
     Forge Neo's swap: ``kernel`` names the host's backend ``(q, k, v, heads, mask)``, torch's
     SDPA where it is not loaded): a block's token-wise work (each of its linear layers on the
     image tokens) and its self-attention over them, unpooled, or through ``pool_call`` with the
     state of ``plan``'s grid (a video's frames too), as a pooled generation runs it. Errs low:
-    per-sample layers (modulation) are counted per token."""
+    per-sample layers (modulation) are counted per token. ``reuse`` (the settings' N): a
+    pooled run also costs what residual reuse adds per step (the refresh's share: the
+    unpooled attention on 1/N of the queries; the residual added), so the auto policy
+    weighs what the generation will run."""
     timed = _Timed()
+    share = (_Refresh(reuse), (object(),)) if reuse else (None, ())
 
     def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
         func = getattr(sys.modules.get(kernel[0]), kernel[1], None) or _sdpa
@@ -41,14 +46,16 @@ def runner(kernel: tuple[str, str]) -> Callable:
                                                                     m.in_features))
         heads = heads_of(block, x.shape[-1])
         state = None if p is None else CallState(Spans(0, True, 0, p.frames, p.h, p.w),
-                                                 (p.factor,), 0, bool(p.proportional))
+                                                 (p.factor,), 0, bool(p.proportional),
+                                                 *share)
         n = x.shape[1]
         if state is None or p.factor <= 1 or state.start(n, n) is None:
             return func(x, x, x, heads)
         bias = "mask" if getattr(func, "__name__", "") in MASK_BACKENDS else "channel"
         return pool_call(state, p.factor, 0, x, x, x, 1,
-                      lambda q, k, v, m: func(q, k, v, heads, mask=m) if m is not None
-                      else func(q, k, v, heads), timed.plans, bias=bias, heads=heads)
+                         lambda q, k, v, m: func(q, k, v, heads, mask=m) if m is not None
+                         else func(q, k, v, heads), timed.plans, bias=bias, heads=heads,
+                         part=state.part(None, 0))
     run.video = True  # a video's grid runs as the generation pools it (``Measurer.get``)
     return run
 
