@@ -108,7 +108,7 @@ class _Hooks:
             if st.plan is not None and read and t is not None:
                 # The one host read of a call (as the planner's window), only where needed.
                 tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
-                st.p = 1.0 - tv / _plan.NUM_TRAIN_TIMESTEPS
+                st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
                 st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
                 if st.budget is not None:  # what reuse will keep, checked before it keeps it
                     st.schedule = st.budget.begin(x, size, st.text, st.p)
