@@ -341,3 +341,37 @@ def test_the_frontier_prints_what_reuse_keeps_and_each_ladder_steps_fidelity(tmp
     text = (tmp_path / "frontier.md").read_text()
     assert "reuse keeps" in text and "| Wan 2.1 1.3B | 832x480x81 | 2 | 32760 |" in text
     assert "| Flux-dev | 2048 | 1 | 16384 | 11.0 GiB |" in text and "80 GiB card" in text
+
+
+def test_without_reuse_never_falls_back_to_a_point_naming_no_block():
+    """The quality preset's point without reuse pools Flux's single-stream blocks; Wan and
+    Qwen-Image have none, so theirs is the next point (every block, x2 over steps 0.5-1), not
+    nothing (seen in the real ComfyUI 0.8.0: Wan passed through)."""
+    quality, fast = preset("quality"), preset("fast")
+    assert without_reuse(quality, ["double", "single", "single"]).schedule == "single:2@0.3-1"
+    assert without_reuse(quality, ["double", "double"]).schedule == "all:2@0.5-1"
+    assert without_reuse(fast, ["double", "double"]).schedule == "all:2@0.3-1"
+    assert without_reuse(quality).schedule == "single:2@0.3-1"  # no model: the first point
+
+
+def test_reuse_off_for_memory_on_wan_still_pools(monkeypatch, capsys):
+    """Where reuse does not fit at all, a Wan (self-attention blocks only) runs the quality
+    preset's point without reuse that names its blocks: its image differs from the model's."""
+    from tome_lab import dit_shapes
+    monkeypatch.setattr(memory, "available", lambda device: 0)
+    model = dit_shapes.build("wan", (2, 0), True, torch.float32)
+    inputs = dit_shapes.inputs(model, "wan", dit_shapes.Size.parse("128x96x9"), torch.float32,
+                               True, t=0.2)
+    with torch.no_grad():
+        ref = model(**inputs)
+    tome.apply_patch(model, config=preset("quality", policy="fixed"))
+    try:
+        with torch.no_grad():
+            out = model(**inputs)
+        st = vars(model)[STATE_ATTR]
+        assert st.budget.keep.blocks == 0 and st.reuse.held_bytes() == 0
+        assert "x2 in all blocks, steps 0.5-1" in capsys.readouterr().out
+        assert not torch.equal(out[0] if isinstance(out, tuple) else out.sample,
+                               ref[0] if isinstance(ref, tuple) else ref.sample)
+    finally:
+        tome.remove_patch(model)

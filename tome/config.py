@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -362,11 +363,14 @@ DIT_PRESETS: dict[str, dict[str, Any]] = {
     "fast": {"schedule": "all:8", "reuse": 10},
 }
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
-#: The DiT points without residual reuse, for host paths that cannot see the attention's
-#: output (ComfyUI's DiT form): the best schedules measured without it (tiny DiT: 29.5 dB at
-#: 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit).
-DIT_NO_REUSE: dict[str, dict[str, Any]] = {"quality": {"schedule": "single:2@0.3-1"},
-                                           "fast": {"schedule": "all:2@0.3-1"}}
+#: The DiT points without residual reuse, for a host path that cannot reuse and for reuse
+#: that does not fit in memory: the best schedules measured without it (tiny DiT: 29.5 dB at
+#: 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit). A point naming blocks a model lacks
+#: (Wan, Qwen-Image and the other DiTs without single-stream blocks) gives way to the next
+#: that names one of its blocks (``all:2@0.5-1``: 27.4 dB at 1.16x), never to nothing.
+DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
+    "quality": ({"schedule": "single:2@0.3-1"}, {"schedule": "all:2@0.5-1"}),
+    "fast": ({"schedule": "all:2@0.3-1"},)}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
 #: ``max_downsample``).
 DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse")
@@ -381,13 +385,21 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
     return ToMeConfig(**{**PRESETS[key], **changes})
 
 
-def without_reuse(config: ToMeConfig) -> ToMeConfig:
-    """``config`` for a host path that cannot reuse residuals: a preset's DiT point becomes
-    that preset's point without reuse (``DIT_NO_REUSE``); any other config keeps its schedule
-    with ``reuse=0``."""
+def without_reuse(config: ToMeConfig, kinds: Sequence[str] | None = None) -> ToMeConfig:
+    """``config`` for a path that cannot reuse residuals: a preset's DiT point becomes that
+    preset's point without reuse (``DIT_NO_REUSE``): the first whose schedule pools a block
+    of ``kinds`` (the model's block kinds in order, e.g. ``["double", "single"]``; None: the
+    first point); any other config keeps its schedule with ``reuse=0``."""
     if not config.reuse:
         return config
     for name, point in DIT_PRESETS.items():
         if point and all(getattr(config, k) == v for k, v in point.items()):
-            return config.replace(reuse=0, **DIT_NO_REUSE[name])
+            points = [config.replace(reuse=0, **p) for p in DIT_NO_REUSE[name]]
+            return next((c for c in points if kinds is None or _pools_a_block(c, kinds)),
+                        points[-1])
     return config.replace(reuse=0)
+
+
+def _pools_a_block(config: ToMeConfig, kinds: Sequence[str]) -> bool:
+    schedule = dit.schedule_of(config)
+    return any(schedule.factor(i, kind, len(kinds), None) > 1 for i, kind in enumerate(kinds))

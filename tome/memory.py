@@ -316,7 +316,7 @@ class ReuseBudget:
         self.layout, self.reuse, self.report, self.say = layout, reuse, report, say
         self.every = config.reuse
         self.schedule = dit.schedule_of(config)
-        self.fallback = dit.schedule_of(without_reuse(config))
+        self.fallback = dit.schedule_of(without_reuse(config, [b.kind for b in layout.blocks]))
         self.order = tuple(blocks)
         self.specs = attention_parts(layout, blocks, config) if config.reuse else []
         self.partner: ReuseBudget | None = None
