@@ -54,16 +54,43 @@ def test_key_bias_is_the_log_of_each_cells_tokens(t, h, w, f, tf):
     assert bias.tolist() == pytest.approx([0.0] * 4 + [math.log(n) for n in sizes] + [0.0] * 3)
 
 
-def test_an_image_is_one_frame_bit_for_bit():
-    """frames=1 runs an image's ops: the same bits as the 2-D call (and nothing at factor 1)."""
-    x = torch.randn(2, 5 + 7 * 9 + 1, 8)
-    for f in (1, 2, 3):
-        assert torch.equal(dit.pool_span(x, 5, 7, 9, f, 1, frames=1),
-                           dit.pool_span(x, 5, 7, 9, f, 1))
-    assert dit.pool_span(x, 5, 7, 9, 1, 1) is x
-    assert dit.cell_counts(7, 9, 2, 1, 1) == dit.cell_counts(7, 9, 2)
-    plan = dit.DitPlan(7, 9, 2, "pooled")
-    assert (plan.frames, plan.temporal, plan.grid, plan.tokens) == (1, 1, (1, 7, 9), 63)
+def _image_reference(x, start, h, w, f):
+    """[B, S, C]: an ``h x w`` image's ``f x f`` cell means in row-major cell order, by two
+    loops over cells (a partial cell at the right or bottom edge averages what it holds), and
+    each cell's token count."""
+    out, sizes = [x[:, :start]], []
+    for i0 in range(0, h, f):
+        for j0 in range(0, w, f):
+            rows = [start + i * w + j for i in range(i0, min(i0 + f, h))
+                    for j in range(j0, min(j0 + f, w))]
+            out.append(sum(x[:, r] for r in rows)[:, None] / len(rows))
+            sizes.append(len(rows))
+    out.append(x[:, start + h * w:])
+    return torch.cat(out, 1), sizes
+
+
+@pytest.mark.parametrize("h,w", [(7, 9), (6, 8), (5, 3)])
+def test_an_image_is_one_frame_of_cell_means(h, w):
+    """The default (frames=1) path pools an image's cells: against a 2-D loop reference,
+    edge cells included, in both layouts; factor 1 is the identity (and nothing is copied)."""
+    x = torch.randn(2, 5 + h * w + 1, 8, dtype=torch.float64)
+    for f in (2, 3, 4):
+        want, sizes = _image_reference(x, 5, h, w, f)
+        out = dit.pool_span(x, 5, h, w, f, 1)
+        assert out.shape[1] == 5 + len(sizes) + 1 == 5 + dit.pooled_tokens(h, w, f) + 1
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(dit.pool_span(x, 5, h, w, f, 1, frames=1), want)
+        xh = x.reshape(2, x.shape[1], 2, 4).transpose(1, 2)  # [B, heads, S, D]
+        outh = dit.pool_span(xh, 5, h, w, f, 2)
+        torch.testing.assert_close(outh.transpose(1, 2).reshape(2, -1, 8), want)
+        assert dit.cell_counts(h, w, f) == sizes
+        bias = dit.key_bias(5, x.shape[1], h, w, f, "cpu")
+        assert bias.tolist() == pytest.approx([0.0] * 5 + [math.log(n) for n in sizes] + [0.0])
+    assert dit.pool_span(x, 5, h, w, 1, 1) is x
+    assert dit.cell_counts(7, 9, 2) == [4] * 4 + [2] + [4] * 4 + [2] + [4] * 4 + [2] \
+        + [2] * 4 + [1]  # typed out: 7 rows = 2+2+2+1, 9 cols = 2+2+2+2+1
+    plan = dit.DitPlan(h, w, 2, "pooled")
+    assert (plan.frames, plan.temporal, plan.grid, plan.tokens) == (1, 1, (1, h, w), h * w)
 
 
 def test_frames_pool_on_their_own_unless_temporal():
