@@ -6,6 +6,8 @@ its family are defined and registered in this file alone; ``layout.read`` then r
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,19 +140,63 @@ def test_layout_reads_the_registered_family(toy):
     assert "; toy dit; not other DiTs" in str(layout.not_supported("Other"))  # named there
 
 
-def test_the_toy_family_pools_and_removal_is_bit_exact(toy, monkeypatch):
+def pooled_reference(model, inputs, proportional):
+    """The toy model's forward written out here, each block's attention over the text keys
+    and the image's 2x2 cells (keys and values averaged by loops over the 8x6 token grid,
+    row-major), with ``log(tokens in the cell)`` added to the cells' scores where
+    ``proportional`` (einsum softmax)."""
+    latent, text, timestep = inputs
+    b, _, hh, ww = latent.shape
+    p, n = model.patch, TEXT
+    h, w = hh // p, ww // p
+    cells = [[n + i * w + j for i in range(i0, min(i0 + 2, h)) for j in range(j0, min(j0 + 2, w))]
+             for i0 in range(0, h, 2) for j0 in range(0, w, 2)]
+
+    def pool(t):  # [B, heads, S, D]: the text rows, then one mean per cell
+        return torch.stack([t[:, :, r] for r in range(n)]
+                           + [sum(t[:, :, r] for r in c) / len(c) for c in cells], 2)
+
+    def lin(layer, x):
+        return x @ layer.weight.T + layer.bias
+
+    with torch.no_grad():
+        x = F.conv2d(latent, model.embed.weight, model.embed.bias, stride=p)
+        x = x.flatten(2).transpose(1, 2)
+        ctx, temb = lin(model.text, text), lin(model.time, timestep.float()[:, None] / 1000)
+        for block in model.blocks:
+            a = block.attn
+            xn = F.layer_norm(x, x.shape[-1:], block.norm.weight, block.norm.bias)
+            joint = torch.cat([ctx, xn + temb[:, None]], 1)
+            q, k, v = (heads(lin(m, joint), a.heads) for m in (a.to_q, a.to_k, a.to_v))
+            kp, vp = pool(k), pool(v)
+            bias = torch.tensor([0.0] * n + [math.log(len(c)) if proportional else 0.0
+                                             for c in cells])
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, kp) / math.sqrt(q.shape[-1]) + bias
+            o = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), vp)
+            o = lin(a.to_out, o.transpose(1, 2).flatten(2))
+            x, ctx = x + o[:, n:], ctx + o[:, :n]
+        out = lin(model.out, x).view(b, h, w, model.channels, p, p)
+        return out.permute(0, 3, 1, 4, 2, 5).reshape(b, model.channels, hh, ww)
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_the_toy_family_pools_and_removal_is_bit_exact(toy, monkeypatch, proportional):
+    """A pooled call against the hand-written reference (the recipe's promise), the key
+    count, and removal bit for bit."""
     model, inputs = model_and_inputs()
     ref = run(model, inputs)
     keys = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: (
         keys.append(k.shape[2]), sdpa(q, k, v, **kw))[1])
-    tome.apply_patch(model, method="downsample")
+    tome.apply_patch(model, method="downsample", proportional=proportional)
     assert tome.patch_report(model).summary().startswith(
         "ToMe: toy dit DiT, downsample x2; 2/2 blocks pooled")
     out = run(model, inputs)
     assert keys == [TEXT + 4 * 3] * 2  # an 8x6 grid pooled 2x2: 12 image keys
-    assert out.isfinite().all() and not torch.equal(out, ref)
+    want = pooled_reference(model, inputs, proportional)
+    assert not torch.allclose(want, ref, atol=1e-3)  # the reference pools
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     tome.remove_patch(model)
     assert all(type(b.attn.processor) is ToyAttnProcessor for b in model.blocks)
     assert torch.equal(run(model, inputs), ref)
