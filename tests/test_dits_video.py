@@ -236,22 +236,42 @@ def test_wan_measuring_runs_one_block_on_the_video_grid(wan):
     assert type(wan.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"
 
 
-def test_wan_auto_policy_decides_per_video_size(wan, tmp_path):
-    """The auto policy decides once per video size (measured where the library times video
-    grids, else by the token thresholds) and pools exactly where it decided to."""
+@pytest.mark.parametrize("grid,line,reason", [
+    ((F_, H, W), "192x128 px, 9 frames", "288 tokens, below the CPU threshold (1024), not merged"),
+    ((F_, 2 * H, 2 * W), "384x256 px, 9 frames",
+     "1152 tokens, at or above the CPU threshold (1024)")])
+def test_wan_auto_policy_decides_per_video_size(wan, tmp_path, grid, line, reason):
+    """The processors runner does not time video grids: the auto policy says so in one line
+    per video size (nothing timed, nothing cached) and the DiT form's CPU token threshold
+    decides; the output is then the unpooled one, or exactly the fixed policy's pooled one."""
+    frames, h, w = grid
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(2, 4, frames, 2 * h, 2 * w, generator=g),
+                  timestep=torch.full((2,), 700.0),
+                  encoder_hidden_states=torch.randn(2, 7, 16, generator=g))
     lines: list[str] = []
     service = Measurer(MeasurementCache(tmp_path / "m.json", say=lines.append),
                        say=lines.append, clock=fake_clock(1.5), rounds=3)
-    inputs = wan_inputs()
     ref = run(wan, inputs)
+    tome.apply_patch(wan, method="downsample", policy="fixed")
+    try:
+        pooled = run(wan, inputs)
+    finally:
+        tome.remove_patch(wan)
+    assert not torch.equal(pooled, ref)
     tome.apply_patch(wan, method="downsample", policy="auto", measure=service)
     try:
         out = run(wan, inputs)
+        again = run(wan, inputs)
         (decision,) = tome.patch_report(wan).decisions.values()
-        assert decision.tokens == F_ * H * W
-        assert torch.equal(out, ref) is not decision.merged
     finally:
         tome.remove_patch(wan)
+    assert lines == [f"ToMe: not measured at {line}: video grids are not timed yet; the token "
+                     "thresholds decide"]  # once: two calls of one size, one decision
+    assert not service.results and not (tmp_path / "m.json").exists()
+    assert (decision.tokens, decision.reason) == (frames * h * w, reason)
+    assert decision.merged is ("at or above" in reason)
+    assert torch.equal(out, pooled if decision.merged else ref) and torch.equal(again, out)
     assert torch.equal(run(wan, inputs), ref)
 
 
