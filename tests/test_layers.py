@@ -23,6 +23,7 @@ LAYERS = [
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
+    ("tome.timing_results",),  # what measure found: pure data, kept by measurements
     ("tome.plan",),
     ("tome.report",),
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap

@@ -248,17 +248,6 @@ def parse_blocks(text: str) -> tuple[str, int, int]:
     raise ValueError(f"must be {BLOCKS_HELP}")
 
 
-def selects(blocks: str, index: int, kind: str) -> bool:
-    """Whether block ``index`` (in the model's order: double-stream blocks first) of ``kind``
-    (``"double"`` or ``"single"``) is pooled under the ``blocks`` setting."""
-    which, a, b = parse_blocks(blocks)
-    if which == "all":
-        return True
-    if which == "double":
-        return kind == "double"
-    return a <= index <= b
-
-
 SCHEDULE_HELP = ("items 'blocks[:factor][@start-end]' separated by commas; blocks: all, double, "
                  "single, first, last, inner or 'a-b'; a later item wins where it applies")
 _SELECTORS = ("all", "double", "single", "first", "last", "inner")

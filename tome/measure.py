@@ -8,8 +8,8 @@ spread of its rounds; ``decide`` turns a row into a yes/no with a safety margin,
 rounds disagree about it (a busy machine) is timed again, then uncertain: never merged. How a
 block runs merged is the host adapter's business (``runner``: ``patch.run_block`` for hooks,
 ``patcher.run_block`` for the ModelPatcher contract, ``percall_runner.runner`` for a DiT reached
-per call: ComfyUI's override, Forge Neo's swap), so this room imports no adapter;
-remembering results is ``measurements.py``'s.
+per call: ComfyUI's override, Forge Neo's swap), so this room imports no adapter; the
+results' types are ``timing_results.py``'s, remembering them is ``measurements.py``'s.
 
 Measuring never changes the model: it runs under ``torch.no_grad``, draws its inputs from a
 private generator, leaves the blocks' hooks as they were, restores their ``training`` flags
@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -35,6 +33,7 @@ from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, attention, channels, context_dim, read, unusable
 from .policy import MARGIN
+from .timing_results import LevelTiming, Measurement, ratio
 
 CONTEXT_TOKENS = 77  # CLIP's context length: what attn2 sees in every SD model
 PHASES = ("unmerged", "build", "merged")  # what a round times, in this order at even rounds
@@ -47,107 +46,12 @@ Clock = Callable[[str, Callable[[], Any]], float]
 Runner = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", _plan.Planner, Any], Any]
 
 
-# ----------------------------------------------------------------------------- results
-
-@dataclass(frozen=True)
-class LevelTiming:
-    """One UNet level, per UNet call: ``unmerged_ms`` = blocks x block time; ``merged_ms`` =
-    plans x plan build + blocks x merged block time. ``low``/``high``: the spread of the
-    speed-up over the timed rounds (each round's own figure, and this one), None in a
-    reading cached before spreads were kept."""
-
-    level: int         # downsample factor (1 = full resolution)
-    tokens: int        # tokens a block at this level sees
-    blocks: int        # transformer blocks at this level
-    plans: int         # plans built per call (per UNet side, or per block with share="block")
-    unmerged_ms: float
-    merged_ms: float
-    low: float | None = None
-    high: float | None = None
-
-    @property
-    def speedup(self) -> float:
-        return _ratio(self.unmerged_ms, self.merged_ms)
-
-    def uncertain(self, margin: float = MARGIN) -> bool:
-        """Its rounds fall on both sides of the decision (``policy.uncertain``)."""
-        return policy.uncertain(self.low, self.high, margin)
-
-    def verdict(self, margin: float = MARGIN) -> str:
-        """``merged``, ``not merged`` or ``uncertain (rounds ...), not merged``."""
-        return policy.verdict(self.speedup, self.low, self.high, margin)
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else math.inf
-
+# ----------------------------------------------------------------------------- deciding
 
 def decide(row: LevelTiming, margin: float = MARGIN) -> bool:
     """Merge this level only where it was measured at least ``1 + margin`` times faster and
     its rounds agree on that (``policy.uncertain``)."""
     return policy.pays(row.speedup, margin) and not row.uncertain(margin)
-
-
-FIELDS = {"device", "dtype", "latent", "batch", "method", "rows"}  # a Measurement's dict
-OPTIONAL = {"taken"}  # not in a reading cached before it was kept
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What ``measure`` found on one device for one latent size, batch and method, and when
-    (``taken``: UTC, ISO 8601; None in a reading cached before it was kept)."""
-
-    device: str                # e.g. "NVIDIA H100 80GB HBM3", "AMD EPYC 7B13", "Apple MPS"
-    dtype: str                 # "float16", "float32", ...
-    latent: tuple[int, ...]    # (height, width) of the latent; a video's (frames, height, width)
-    batch: int
-    method: str
-    rows: tuple[LevelTiming, ...]
-    taken: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields a reading always had, plus ``taken`` and each row's spread where known."""
-        d = asdict(self)
-        d["latent"] = list(self.latent)
-        d["rows"] = [{k: v for k, v in r.items() if v is not None} for r in d["rows"]]
-        if d["taken"] is None:
-            del d["taken"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Measurement:
-        """Strict: anything malformed raises ``ValueError`` (the cache then ignores it). A
-        reading without ``taken`` or a row without its spread (cached before they were kept)
-        is read as it was written."""
-        try:
-            rows = tuple(LevelTiming(int(r["level"]), int(r["tokens"]), int(r["blocks"]),
-                                     int(r["plans"]), float(r["unmerged_ms"]),
-                                     float(r["merged_ms"]), *_spread(r)) for r in d["rows"])
-            size = tuple(int(v) for v in d["latent"])
-            if len(size) not in (2, 3):
-                raise ValueError(f"latent {size}")
-            taken = d.get("taken")
-            if taken is not None and not isinstance(taken, str):
-                raise ValueError(f"taken {taken!r}")
-            m = cls(str(d["device"]), str(d["dtype"]), size, int(d["batch"]),
-                    str(d["method"]), rows, taken)
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"ToMe: not a measurement: {e!r}") from None
-        if not FIELDS <= set(d) <= FIELDS | OPTIONAL or not all(
-                math.isfinite(t) and t >= 0 for r in rows for t in (r.unmerged_ms, r.merged_ms)):
-            raise ValueError("ToMe: not a measurement: unexpected fields or times")
-        return m
-
-
-def _spread(r: dict[str, Any]) -> tuple[float, float] | tuple[()]:
-    """A row's ``(low, high)``, or nothing where the row has no spread; ``ValueError`` for a
-    spread that is not one (half of it, negative, NaN, low above high)."""
-    if "low" not in r and "high" not in r:
-        return ()
-    low, high = float(r["low"]), float(r["high"])
-    if not 0 <= low <= high:  # also NaN
-        raise ValueError(f"spread {low}, {high}")
-    return low, high
 
 
 # ----------------------------------------------------------------------------- the device
@@ -262,15 +166,7 @@ def _kept(block: nn.Module, device: torch.device):
             torch.cuda.set_rng_state(cuda, device)
 
 
-
 # ----------------------------------------------------------------------------- the model
-
-def levels_to_measure(layout: Layout, config: ToMeConfig, levels: Iterable[int] | None
-                      ) -> tuple[dict[int, list[nn.Module]], list[int]]:
-    """The blocks of each level, in the UNet's order, and the levels to measure: ``levels``,
-    or those with blocks up to the config's max downsample (``Layout.levels_to_measure``)."""
-    return layout.levels_to_measure(config, levels)
-
 
 def attention_backend(model: Any) -> str:
     """Best effort: which attention kernel the blocks run. diffusers: attn1's processor class;
@@ -424,7 +320,7 @@ def _level_row(level: int, timers: list[_Timer], samples: list[list[Sample]]) ->
     unmerged = sum(r.unmerged_ms for r in parts)
 
     def end(at: Callable[[LevelTiming], float]) -> float:
-        return _ratio(unmerged, sum(_ratio(r.unmerged_ms, at(r)) if r.unmerged_ms > 0
+        return ratio(unmerged, sum(ratio(r.unmerged_ms, at(r)) if r.unmerged_ms > 0
                                     else r.merged_ms for r in parts))
     return LevelTiming(level, parts[0].tokens, sum(r.blocks for r in parts), parts[0].plans,
                        unmerged, sum(r.merged_ms for r in parts),

@@ -32,7 +32,6 @@ from .measure import (
     Runner,
     attention_backend,
     device_name,
-    levels_to_measure,
     measure,
     width,
 )
@@ -114,7 +113,7 @@ def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfi
     what it always was), batch, the levels measured and the config fields that change the
     merged cost."""
     layout = read(model)
-    by_level, chosen = levels_to_measure(layout, config, levels)
+    by_level, chosen = layout.levels_to_measure(config, levels)
     p = next(by_level[chosen[0]][0].parameters()) if chosen else next(layout.root.parameters())
     dev = p.device
     frames, h, w = latent_grid(latent)
