@@ -515,6 +515,30 @@ def test_sweep_compares_measured_decisions_with_unet_calls(tmp_path, capsys):
     assert not any(b._forward_pre_hooks or b._forward_hooks for b in clock.levels)
 
 
+def test_sweep_decides_as_the_library_does(monkeypatch):
+    """A level measured 1.3x whose rounds disagree (0.9x to 1.4x) is uncertain: the library
+    does not merge it, so neither does the sweep's decision nor its auto setting."""
+    from models import TINY_SD15, ldm_unet
+
+    from tome import measure as M
+    from tome_lab import sweep
+    from tome_lab.models import Case
+
+    unet = ldm_unet(TINY_SD15)
+    g = torch.Generator().manual_seed(0)
+    case = Case("sd15", 128, model=unet, inputs={
+        "x": torch.randn(2, 4, 16, 16, generator=g), "t": torch.full((2,), 500.0),
+        "ctx": torch.randn(2, 7, 32, generator=g)})
+    rows = (M.LevelTiming(1, 256, 2, 1, 1.3, 1.0, 0.9, 1.4),
+            M.LevelTiming(2, 64, 2, 1, 1.3, 1.0, 1.2, 1.4))
+    monkeypatch.setattr(sweep, "measure", lambda *a, **k: M.Measurement(
+        "cpu", "float32", (16, 16), 2, "merge", rows))
+    out = sweep.sweep_case(case, ToMeConfig(max_downsample=2), repeats=1, rounds=1,
+                           timer=timing.Timer("cpu"))
+    assert [(r["decision"], r["uncertain"]) for r in out[:2]] == [(False, True), (True, False)]
+    assert out[-1]["merged"] == [2] and "| ds1 | 256 | 1.30x | uncertain |" in sweep.table(out)
+
+
 def test_same_bits_twice_on_this_cpu():
     from models import TINY_SD15, ldm_unet
 

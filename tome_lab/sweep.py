@@ -13,8 +13,9 @@ machine (a fixed matmul drifts by 10% over seconds here), so each call also reco
 spent inside every level's transformer blocks (hooks; CUDA events on a GPU), and a level's
 *in-call* speed-up is its share of its own call, unmerged against merged, per round (the
 rest of the call, the same work in both, cancels the drift), median over rounds. A decision
-*agrees* when "measured at least 1 + MARGIN faster" matches "the level ran faster inside the
-merged call"; it *costs* when it was wrong by more than ``NOISE`` of the whole call. The
+*agrees* when the library's decision (``measure.decide``: measured at least 1 + MARGIN
+faster, its rounds agreeing on that, else "uncertain", not merged) matches "the level ran faster
+inside the merged call"; it *costs* when it was wrong by more than ``NOISE`` of the whole call. The
 whole-call speed-up (median of per-round ratios) is reported beside it with its range, and
 agreement with it is counted where every round lands on the same side of 1. Also reported:
 where auto merged, its whole call against unmerged (never more than 2% slower is the goal),
@@ -41,7 +42,7 @@ from tome import layout as _layout
 from tome import patch as _patch
 from tome import policy
 from tome.config import ToMeConfig
-from tome.measure import measure
+from tome.measure import decide, measure
 from tome.patch import run_block
 
 from .device import device_name, pick_device, pick_dtype
@@ -124,7 +125,7 @@ def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
     settings: dict[str, Any] = {"unmerged": None}
     for lv in levels:
         settings[f"ds{lv}"] = _forced({x: x == lv for x in levels})
-    settings["auto"] = _forced({r.level: policy.pays(r.speedup) for r in m.rows})
+    settings["auto"] = _forced({r.level: decide(r) for r in m.rows})  # the library's decision
     clock = LevelClock(unet, case.device)
     calls: dict[str, list[float]] = {k: [] for k in settings}
     inside: dict[str, list[dict[int, float]]] = {k: [] for k in settings}
@@ -156,9 +157,10 @@ def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
         level_share = statistics.median(d[lv] / c for c, d in zip(calls["unmerged"],
                                                                   inside["unmerged"]))
         saved = level_share * (1 - 1 / in_call)  # of the whole unmerged call
-        ratios, decision = whole(name), policy.pays(r.speedup)
+        ratios, decision = whole(name), decide(r)
         rows.append({"model": case.model_name, "size": case.size, "level": lv,
                      "tokens": r.tokens, "measured": r.speedup, "decision": decision,
+                     "uncertain": r.uncertain(),
                      "in_call": in_call, "level_share": level_share, "saved": saved,
                      "agrees": decision == (in_call > 1.0),
                      "costs": saved < -NOISE if decision else saved > NOISE,
@@ -166,7 +168,7 @@ def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
                                                                            ratios[-1]],
                      "resolved": ratios[0] > 1.0 or ratios[-1] < 1.0,
                      "agrees_whole": decision == (statistics.median(ratios) > 1.0)})
-    auto_levels = [lv for lv in levels if policy.pays(measured[lv].speedup)]
+    auto_levels = [lv for lv in levels if decide(measured[lv])]
     rows.append({"model": case.model_name, "size": case.size, "level": "auto",
                  "merged": auto_levels, "auto": statistics.median(whole("auto")),
                  "unmerged_s": base, "measure_s": measure_s,
@@ -202,8 +204,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                        f"{100 * r['overhead']:.1f}% of {GENERATION_STEPS} steps |")
         else:
             lo, hi = r["actual_range"]
+            said = "merge" if r["decision"] else "uncertain" if r.get("uncertain") else "no"
             out.append(f"| {r['model']} | {r['size']} | ds{r['level']} | {r['tokens']} | "
-                       f"{r['measured']:.2f}x | {'merge' if r['decision'] else 'no'} | "
+                       f"{r['measured']:.2f}x | {said} | "
                        f"{r['in_call']:.2f}x ({100 * r['saved']:+.1f}% of the call) | "
                        f"{'yes' if r['agrees'] else 'no'}{' (costs)' if r['costs'] else ''} | "
                        f"{r['actual']:.3f}x ({lo:.2f}-{hi:.2f}) |")
