@@ -3,6 +3,8 @@ stand-ins of Neo 2.26's Flux, Wan, Qwen-Image and Lumina/Z-Image (``tests/webui_
 attention functions bound by name at import, the UnetPatcher's single wrapper slot, the
 sigmas Neo hands), driven by the real script as Neo drives a generation."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,6 +261,54 @@ def test_nunchaku_is_skipped_with_one_line(capsys):
 
 
 def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
+    """One Flux call with proportional attention: the host's kernel gets ``log(tokens in the
+    cell)`` on the pooled image keys and 0 on the text keys as its mask, and the answer is a
+    hand-written einsum softmax with that bias on the image cells' scores only (a 5x6 grid:
+    the bottom row's cells hold 2 tokens, the others 4); the generation differs from plain
+    pooling and no line says the bias was not applied."""
+    model = neo.NeoModel("flux")
+    unet = model.forge_objects.unet
+    b, heads, text, h, w, d = 1, 2, 3, 5, 6, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, heads, text + h * w, d, generator=g) for _ in range(3))
+    ids = torch.zeros(b, text + h * w, 3)
+    ids[:, text:, 1] = torch.arange(h).repeat_interleave(w).float()
+    ids[:, text:, 2] = torch.arange(w).repeat(h).float()
+    pe = unet.model.diffusion_model.pe_embedder(ids)
+    cells = [[text + i * w + j for i in range(i0, min(i0 + 2, h)) for j in range(j0, j0 + 2)]
+             for i0 in range(0, h, 2) for j0 in range(0, w, 2)]
+
+    def pool(x):  # [B, H, S, D]: the text rows, then each cell's mean, by loops
+        return torch.stack([x[:, :, r] for r in range(text)]
+                           + [sum(x[:, :, r] for r in c) / len(c) for c in cells], 2)
+
+    clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
+        method="downsample", downsample_factor=2, rope="before", proportional=True))
+    ours = clone.model_options["model_function_wrapper"]
+    spans = percall.Spans(text, True, 0, 1, h, w)
+    state = ours.begin(spans, None, q.device, b)
+    pooled = swap.pooled(adapters.NEO["forge neo flux"].points[0])
+    masks = []
+
+    def host(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006 (as Neo)
+        masks.append(mask)
+        return flux.attention(q, k, v, pe, mask, transformer_options)
+
+    before, pooled.original = pooled.original, host
+    try:
+        with ours.running(ours, spans, state):
+            got = pooled(q, k, v, pe)
+    finally:
+        pooled.original = before
+    bias = torch.tensor([0.0] * text + [math.log(len(c)) for c in cells])
+    assert [len(c) for c in cells] == [4] * 6 + [2] * 3
+    (mask,) = masks
+    torch.testing.assert_close(mask.flatten(), bias)
+    rq, rk = flux.apply_rope(q, k, pe)
+    scores = torch.einsum("bhqd,bhkd->bhqk", rq, pool(rk)) / math.sqrt(d) + bias
+    want = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), pool(v))
+    torch.testing.assert_close(got, want.transpose(1, 2).flatten(2), rtol=1e-5, atol=1e-5)
+
     webui = WebUI(neo.NeoModel("flux"))
     plain = latent(webui, dit(proportional=False), cfg_scale=1)
     biased = latent(webui, dit(proportional=True), cfg_scale=1)
