@@ -409,7 +409,8 @@ def test_each_comfy_dit_is_pooled_through_the_attention_override(lines, monkeypa
     assert not torch.equal(out, ref) and close(out, ref)
     assert torch.equal(sample(ours, family), out)
     assert torch.equal(sample(base, family), ref)
-    assert getattr(ours, mp.MARK).counts() == (8, 8, 8, 8, 8) and len(lines) == 2
+    assert getattr(ours, mp.MARK).counts() == (8, 8, 8, 8, 8) and len(lines) == 4
+    assert lines[2] == lines[3] and lines[2].startswith("ToMe: pooled ")  # one per sampling
 
 
 def test_a_graph_without_the_node_after_one_with_it_is_bit_identical(lines):
@@ -673,8 +674,9 @@ def test_a_flux_window_is_cut_where_its_shifted_schedule_is(lines):
     pooled = [not torch.equal(one_call(late, s), one_call(base, s)) for s in schedule[:-1]]
     assert pooled == [False, False, True, True]
     sample(late)
-    assert lines[-1].startswith("ToMe: steps 0.45-1 (sigma <= 0.79") \
-        and lines[-1].endswith("merging in 2 of 4 steps")
+    assert lines[-2].startswith("ToMe: steps 0.45-1 (sigma <= 0.79") \
+        and lines[-2].endswith("merging in 2 of 4 steps")
+    assert lines[-1] == "ToMe: pooled 8 of 16 attention calls; the rest: outside the window 8"
 
 
 def test_flux_pools_from_its_schedule_window(lines):

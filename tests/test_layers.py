@@ -26,6 +26,7 @@ LAYERS = [
     ("tome.timing_results",),  # what measure found: pure data, kept by measurements
     ("tome.plan",),
     ("tome.report",),
+    ("tome.percall_calls",),  # the per-call core's reading of one call: key spans, GQA, tally
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
     ("tome.modelpatcher", "tome.percall"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",

@@ -22,12 +22,14 @@ model). Pure torch: nothing here imports ComfyUI.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import dit, percall
+from . import percall_calls as calls
 from .config import ToMeConfig
 from .layout import Layout
 from .modelpatcher import MARK
@@ -53,9 +55,10 @@ class KvPool:
     clears them before each model call and counts them after. ``skipped`` names blocks left
     unpooled and why (eager calls only)."""
 
-    def __init__(self, skipped: list | None = None) -> None:
+    def __init__(self, skipped: list | None = None, tally: Counter | None = None) -> None:
         self.flags: dict[str, bool] = {}
         self.skipped: list[tuple[Any, str]] = [] if skipped is None else skipped
+        self.tally = Counter() if tally is None else tally  # ``percall_calls.count``
         self.plans: dict[tuple, dit.DitPlan] = {}  # eager: one per grid and factor
 
     def __deepcopy__(self, memo: dict) -> KvPool:
@@ -68,6 +71,8 @@ class KvPool:
             out = self._pooled(state, prev, func, args, kwargs)
             if out is not None:
                 return out
+        else:
+            calls.count(self.tally, calls.OUTSIDE)
         return _call(prev, func, args, kwargs)
 
     def _pooled(self, state: percall.CallState, prev: Any, func: Callable, args: tuple,
@@ -79,12 +84,15 @@ class KvPool:
         block = (options.get("block_type"), options.get("block_index"))
         f = state.factor(*block)
         if start is None or f <= 1:
+            calls.count(self.tally, calls.CROSS if start is None else calls.X1)
             return None
         mask = args[4] if len(args) > 4 else kwargs.get("mask")
         if mask is not None and mask.shape[-1] != k.shape[dim]:
             percall.note(self.skipped, block, percall.MASK)
+            calls.count(self.tally, calls.MASKED)
             return None
         self.flags["pooled"] = True
+        calls.count(self.tally, calls.POOLED)
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
             if mask is None and len(args) <= 4:
@@ -123,7 +131,7 @@ class OverridePatch(percall.Core):
                  percent_to_sigma: Callable[[float], float] | None = None,
                  reuses: bool = False):
         super().__init__(config, layout, spans_of, percent_to_sigma, reuses=reuses)
-        self.pool = KvPool(self.skipped)
+        self.pool = KvPool(self.skipped, self.tally)
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
 
     def wrapper(self, executor: Callable, *args: Any, **kwargs: Any) -> Any:

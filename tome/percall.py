@@ -34,6 +34,7 @@ Pure torch: nothing here imports a host.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -44,6 +45,7 @@ from torch import nn
 from . import attend, dit, memory, merge, plan
 from .config import ToMeConfig, without_reuse
 from .layout import Layout
+from .percall_calls import channel, key_start
 from .report import PatchReport
 
 # The hosts' backends that add a float mask to the scores (broadcast over queries): ComfyUI's
@@ -114,9 +116,10 @@ class CallState(NamedTuple):
         return None if pos is None or pos >= len(self.parts) else self.parts[pos]
 
     def start(self, queries: int, keys: int, whole: bool = False) -> int | None:
-        """Where the image keys start in an attention call of these lengths, or None: not a
-        self-attention over this call's sequence (cross-attention, another length)."""
-        return self.spans.start(keys, whole) if queries == keys else None
+        """Where the image keys start in an attention call of these lengths (keys as long as
+        the queries, or longer: ``percall_calls.key_start``), or None: not a self-attention
+        over this call's sequence (cross-attention, another length)."""
+        return key_start(self.spans, queries, keys, whole)
 
 
 # ----------------------------------------------------------------------------- the bracket
@@ -193,7 +196,7 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
         out = kernel(q, kp, vp, b if m is None else m + b)
     else:
         out = channel(kernel, q, kp, vp, b, dim, heads, flat, m)
-    if part is None or state.reuse is None:
+    if part is None or state.reuse is None or q.shape[dim] != n:  # reuse: self-attention
         return out
 
     def full(rows: int | None = None) -> Any:  # the unpooled attention (keys rotated)
@@ -217,24 +220,6 @@ def key_mask(p: dit.DitPlan, mask: torch.Tensor, start: int, dtype: torch.dtype
     elif mask.dim() == 3:
         mask = mask[:, None]
     return p.pool(mask, start, mask.dim() - 1)
-
-
-def channel(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: torch.Tensor, dim: int, heads: int | None, flat: bool,
-            mask: torch.Tensor | None = None) -> Any:
-    """The bias as one extra query/key channel per head (``attend.count_channel``) for a
-    kernel that takes no mask; the kernel scales by its own (wider) head dim, which
-    ``count_channel`` corrects; the extra channels are cut from the output."""
-    if dim == 1:  # [B, S, heads * D]
-        q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
-    d = q.shape[-1]
-    q, k, v = attend.count_channel(q, k, v, bias, dim, attend.channel_width(d) ** -0.5)
-    if dim == 1:
-        q, k, v = (t.flatten(-2) for t in (q, k, v))
-    out = kernel(q, k, v, mask)
-    if not flat:  # [B, heads, S, D']
-        return out[..., :d]
-    return out.unflatten(-1, (heads, -1))[..., :d].flatten(-2)
 
 
 def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
@@ -295,6 +280,8 @@ class Core:
         # attention / that ran with it installed
         self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
         # the settings at their step / that pooled at least one attention call (``counts``)
+        self.tally: Counter = Counter()  # attention calls by outcome (``percall_calls``)
+        self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
         self.on_silent: Callable[[], Any] | None = None  # told once: installed, never reached
         self.report: Any = None
 
@@ -386,6 +373,7 @@ class Core:
         and counted whatever happens; ``on_silent`` told where the first call that ran with
         our attention ``installed`` never reached it."""
         owner.flags.clear()
+        seen = self.tally.total()
         try:
             with active(owner, state, chained):
                 yield
@@ -397,14 +385,21 @@ class Core:
             self.pooled += bool(owner.flags.get("pooled"))
             if owner.flags.get("fired"):
                 self.fired += 1
-            elif installed and not self.fired and self.installed == 1 \
-                    and self.on_silent is not None:
-                self.on_silent()
+                self.compiled += self.tally.total() == seen  # replayed by a compiled graph
+            elif installed:
+                self.silent += 1
+                if not self.fired and self.installed == 1 and self.on_silent is not None:
+                    self.on_silent()
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """The model calls so far: run, reaching our attention, placed by the family
         (``spans_of``), pooling at their step by the settings, that pooled."""
         return self.calls, self.fired, self.placed, self.active, self.pooled
+
+    def tallies(self) -> tuple:
+        """What ``percall_calls.line`` reads: attention calls by outcome, model calls replayed
+        by a compiled graph, run without it installed, with it installed but not reaching it."""
+        return Counter(self.tally), self.compiled, self.calls - self.installed, self.silent
 
     def not_pooled(self, since: tuple[int, ...] = (0, 0, 0, 0, 0)) -> str | None:
         """One line where no model call since ``since`` (``counts()`` then) pooled anything,

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import percall
+from . import percall_calls as calls
 from .config import ToMeConfig
 from .modelpatcher import MARK
 from .report import PatchReport
@@ -108,6 +109,7 @@ class Pooled:
         swap.flags["fired"] = True
         start = state.start(q.shape[point.dim], k.shape[point.dim], whole=True)
         if start is None:
+            calls.count(swap.tally, calls.CROSS)
             return original(q, k, v, *args, **kwargs)
         options = kwargs.get("transformer_options")
         index = options.get("block_index") if isinstance(options, dict) else None
@@ -117,12 +119,15 @@ class Pooled:
         swap.block += 1
         f = state.factor(kind, index)
         if f <= 1:
+            calls.count(swap.tally, calls.X1)
             return original(q, k, v, *args, **kwargs)
         mask = _arg(point.mask, args, kwargs)
         if mask is not None and mask.shape[-1] != k.shape[point.dim]:
             percall.note(swap.skipped, ("attention", swap.block - 1), percall.MASK)
+            calls.count(swap.tally, calls.MASKED)
             return original(q, k, v, *args, **kwargs)
         swap.flags["pooled"] = True
+        calls.count(swap.tally, calls.POOLED)
         pe = _arg(point.pe, args, kwargs) if point.pe is not None else None
         if pe is not None:  # the host rotates inside: the core rotates, pass no embedding on
             args, kwargs = _with(point.pe, args, kwargs, None)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, modelpatcher, override, percall, policy
+from .. import adapters, modelpatcher, override, percall, percall_calls, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
@@ -104,11 +104,13 @@ class SamplingGuard:
 
 
 class AfterSampling:
-    """A ComfyUI ``outer_sample`` wrapper on our clone: after each sampling, one line where
-    the patch did nothing, saying why; a report of what happened, not of what was installed
-    (the node's line at graph time says what was installed). The override counts its model
-    calls (``percall.Core.counts``: Python ints in its ``apply_model`` wrapper, no tensor
-    read); the UNet's attn1 patch counts its calls. An interrupted sampling says nothing."""
+    """A ComfyUI ``outer_sample`` wrapper on our clone: after each sampling, one line: where
+    the patch did nothing, why; else how many attention calls it pooled and what the rest
+    were (``percall_calls.line``); a report of what happened, not of what was installed (the
+    node's line at graph time says what was installed). The override counts its model and
+    attention calls (``percall.Core.counts``, ``tallies``: Python ints on the host, no tensor
+    read; calls replayed by a compiled graph are named, not counted); the UNet's attn1 patch
+    counts its calls. An interrupted sampling says nothing."""
 
     def __init__(self, mark: Any, guard: SamplingGuard, say: Callable[[str], Any]):
         self.mark, self.guard, self.say = mark, guard, say
@@ -120,9 +122,10 @@ class AfterSampling:
         mark = self.mark
         counted = isinstance(mark, percall.Core)
         since = mark.counts() if counted else mark.calls
+        tallies = mark.tallies() if counted else None
         out = executor(*args, **kwargs)
         if counted:
-            line = mark.not_pooled(since)
+            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies)
         elif mark.calls == since and not self.guard.silent_told:
             self.guard.silent_told = True  # the guard tells it at a call where it runs
             line = mark.SILENT
