@@ -246,6 +246,23 @@ class Source(Protocol):
     def plan_for(self, index: int, kind: str) -> dit.DitPlan | None: ...
 
 
+class Refresh:
+    """What a pooled step costs with residual reuse every ``every`` steps, in one timed run
+    (it stands in for ``Reuse`` in the DiT runners: ``processors``', ``percall_runner``'s):
+    the pooled output plus a residual and its slope (the steps between refreshes; the output
+    itself stands in for them: the same reads, nothing kept between runs), and the refresh's share: the unpooled
+    attention, through the block's own kernel, on 1/``every`` of the queries against all
+    keys (``full(rows)``)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
+               span: Any = None) -> torch.Tensor:
+        full(-(-out.shape[dim] // self.every))
+        return out + out + out * float(self.every - 1)
+
+
 def attend(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor, start: int, dim: int, emb: Any = None,
             rotate: Any = None, positions: Any = None) -> torch.Tensor:

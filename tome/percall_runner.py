@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dit
+from . import attend, dit
 from .percall import MASK_BACKENDS, CallState, Spans, pool_call
-from .processors import _Refresh  # reuse's per-step cost, as the processors' runner times it
 
 
 class _Timed:
@@ -36,7 +35,7 @@ def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
     unpooled attention on 1/N of the queries; the residual added), so the auto policy
     weighs what the generation will run."""
     timed = _Timed()
-    share = (_Refresh(reuse), (object(),)) if reuse else (None, ())
+    share = (attend.Refresh(reuse), (object(),)) if reuse else (None, ())
 
     def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
         func = getattr(sys.modules.get(kernel[0]), kernel[1], None) or _sdpa

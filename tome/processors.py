@@ -272,32 +272,15 @@ class _Fixed:
         return self.plan
 
 
-class _Refresh:
-    """What a pooled step costs with residual reuse every ``every`` steps, in one timed run
-    (``runner``; stands in for ``attend.Reuse`` in ``_Fixed``): the pooled output plus a
-    residual and its slope (the steps between refreshes; the output itself stands in for
-    them: the same reads, nothing kept between runs), and the refresh's share: the unpooled
-    attention, through the block's own kernel, on 1/``every`` of the queries against all
-    keys (``full(rows)``)."""
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
-               span: Any = None) -> torch.Tensor:
-        full(-(-out.shape[dim] // self.every))
-        return out + out + out * float(self.every - 1)
-
-
 def runner(layout: Layout, reuse: int = 0):
     """``run_block(block, x, context, planner, plan)`` for ``measure``: one DiT block on image
     tokens ``x`` with the inputs its family draws for it (``Family.inputs``: a text of the
     family's length, a time embedding, positions), pooled by ``plan`` (None: unpooled),
     through the same wrapper a patched block runs; the block is restored. ``reuse`` (the
-    settings' N): a pooled run also costs what reuse adds per step (``_Refresh``), so the
+    settings' N): a pooled run also costs what reuse adds per step (``attend.Refresh``), so the
     auto policy weighs what the generation will run."""
     family = dits.of(layout)
-    refresh = _Refresh(reuse) if reuse else None
+    refresh = _attend.Refresh(reuse) if reuse else None
 
     def run_block(block: nn.Module, x: torch.Tensor, context: Any, planner: _plan.Planner,
                   plan: Any) -> Any:
