@@ -250,9 +250,9 @@ class Refresh:
     """What a pooled step costs with residual reuse every ``every`` steps, in one timed run
     (it stands in for ``Reuse`` in the DiT runners: ``processors``', ``percall_runner``'s):
     the pooled output plus a residual and its slope (the steps between refreshes; the output
-    itself stands in for them: the same reads, nothing kept between runs), and the refresh's share: the unpooled
-    attention, through the block's own kernel, on 1/``every`` of the queries against all
-    keys (``full(rows)``)."""
+    itself stands in for them: the same reads, nothing kept between runs), and the refresh's
+    share: the unpooled attention, through the block's own kernel, on 1/``every`` of the
+    queries against all keys (``full(rows)``)."""
 
     def __init__(self, every: int):
         self.every = every
