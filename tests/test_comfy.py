@@ -5,6 +5,7 @@ and blocks, the DiT call form, the built-in TomePatchModel, progress bar, user d
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,8 +28,12 @@ from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
 from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
 from stubs import fake_clock  # noqa: E402
 
+from tome import (  # noqa: E402
+    dits,  # noqa: E402
+    override,
+    percall,
+)
 from tome import modelpatcher as mp  # noqa: E402
-from tome import override, percall  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
 from tome.config import FIELDS, ToMeConfig, choices, preset  # noqa: E402
 
@@ -516,7 +521,7 @@ def test_calls_a_family_cannot_place_are_not_pooled():
     from types import SimpleNamespace
 
     from tome import adapters
-    flux_spans = adapters.COMFY_SPANS["comfy flux"]
+    flux_spans = adapters.comfy_spans("comfy flux")
     hunyuan = SimpleNamespace(patch_size=[1, 2, 2])
     assert flux_spans(hunyuan, torch.zeros(1, 16, 3, 8, 8), torch.zeros(1, 5, 12), {}) is None
     flux = SimpleNamespace(patch_size=2)
@@ -593,7 +598,6 @@ def test_not_pooled_after_a_sampling_says_why(lines, monkeypatch):
     """The node's line says what was installed; after a sampling where no call was pooled, one
     line says so and why (counted per model call in the apply_model wrapper: Python ints, no
     tensor read); a sampling that pooled says nothing more."""
-    from tome import adapters
     base = dit_model()
     (late,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, start=0.99))
     told = len(lines)
@@ -601,7 +605,9 @@ def test_not_pooled_after_a_sampling_says_why(lines, monkeypatch):
     assert lines[told:] == ["ToMe: steps 0.99-1 (sigma <= 0.0309): merging in 0 of 4 steps",
                             "ToMe: not pooled in this sampling (4 model calls): no step was "
                             "pooled by the settings (the step window or the auto policy)"]
-    monkeypatch.setitem(adapters.COMFY_SPANS, "comfy flux", lambda *a: None)
+    flux = dits.REGISTRY["comfy flux"]  # its call reading placing nothing
+    monkeypatch.setitem(dits.REGISTRY, "comfy flux", dataclasses.replace(
+        flux, host=dits.HostPoint(dits.COMFYUI, lambda *a: None)))
     (unplaced,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
     told = len(lines)
     assert torch.equal(sample(unplaced), sample(base))

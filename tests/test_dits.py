@@ -225,3 +225,123 @@ def test_the_auto_policy_measures_through_the_family_inputs(toy, tmp_path):
     finally:
         tome.remove_patch(model)
     assert torch.equal(run(model, inputs), ref)
+
+
+# ----------------------------------------------------------------------------- a ComfyUI family
+
+class ToyComfyDiT(nn.Module):
+    """A DiT as a ComfyUI model holds it: called by the model base as ``(x, t, context=,
+    transformer_options=)``, every block's joint [text, image] attention through ComfyUI's
+    ``optimized_attention`` (the stand-in's) with queries and keys ``[B, heads, S, D]``,
+    telling its block in ``transformer_options``."""
+
+    def __init__(self, dim=8, n_heads=2, depth=2, channels=4, patch=2):
+        super().__init__()
+        self.patch, self.heads, self.channels = patch, n_heads, channels
+        self.embed = nn.Conv2d(channels, dim, patch, stride=patch)
+        self.text = nn.Linear(12, dim)
+        self.qkv = nn.ModuleList([nn.Linear(dim, 3 * dim) for _ in range(depth)])
+        self.out = nn.Linear(dim, channels * patch * patch)
+
+    def forward(self, x, timestep, context=None, transformer_options=None, **kwargs):
+        from comfy.ldm.modules import attention as comfy_attention
+        b, _, hh, ww = x.shape
+        p = self.patch
+        img = self.embed(x).flatten(2).transpose(1, 2)
+        txt = self.text(context)
+        for i, layer in enumerate(self.qkv):
+            joint = torch.cat([txt, img], 1)
+            q, k, v = (heads(t, self.heads) for t in layer(joint).chunk(3, -1))
+            o = comfy_attention.optimized_attention(
+                q, k, v, self.heads, skip_reshape=True,
+                transformer_options={**transformer_options, "block_type": "double",
+                                     "block_index": i})
+            txt, img = txt + o[:, :txt.shape[1]], img + o[:, txt.shape[1]:]
+        out = self.out(img).view(b, hh // p, ww // p, self.channels, p, p)
+        return out.permute(0, 3, 1, 4, 2, 5).reshape(b, self.channels, hh, ww)
+
+
+def toy_spans(model, x, context, conds):
+    """Where a model call's tokens sit: the text first, then one frame of the latent's grid."""
+    if x.dim() != 4 or context is None:
+        return None
+    return (context.shape[1], True, 0, 1, x.shape[-2] // model.patch, x.shape[-1] // model.patch,
+            0)
+
+
+TOY_COMFY = dits.Family(
+    "toy comfy dit", dits.by_class("ToyComfyDiT"),
+    read=lambda m: (dits.Dit(m.patch, True, TEXT, 1000.0, False), list(m.qkv), ()),
+    host=dits.HostPoint(dits.COMFYUI, toy_spans))
+
+
+def comfy_reference(model, x, t, context, proportional):
+    """The toy ComfyUI model's forward written out here: each block's attention over the text
+    keys and the image's 2x2 cells (loops over the 8x6 token grid, row-major), with
+    ``log(tokens in the cell)`` on the cells' scores where ``proportional``."""
+    b, _, hh, ww = x.shape
+    p, n = model.patch, context.shape[1]
+    h, w = hh // p, ww // p
+    cells = [[n + i * w + j for i in range(i0, min(i0 + 2, h)) for j in range(j0, min(j0 + 2, w))]
+             for i0 in range(0, h, 2) for j0 in range(0, w, 2)]
+
+    def pool(t):
+        return torch.stack([t[:, :, r] for r in range(n)]
+                           + [sum(t[:, :, r] for r in c) / len(c) for c in cells], 2)
+
+    img = F.conv2d(x, model.embed.weight, model.embed.bias, stride=p).flatten(2).transpose(1, 2)
+    txt = context @ model.text.weight.T + model.text.bias
+    bias = torch.tensor([0.0] * n + [math.log(len(c)) if proportional else 0.0 for c in cells])
+    for layer in model.qkv:
+        joint = torch.cat([txt, img], 1)
+        q, k, v = (heads(t, model.heads) for t in
+                   (joint @ layer.weight.T + layer.bias).chunk(3, -1))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, pool(k)) / math.sqrt(q.shape[-1]) + bias
+        o = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), pool(v)).transpose(1, 2)
+        o = o.flatten(2)
+        txt, img = txt + o[:, :n], img + o[:, n:]
+    out = (img @ model.out.weight.T + model.out.bias).view(b, h, w, model.channels, p, p)
+    return out.permute(0, 3, 1, 4, 2, 5).reshape(b, model.channels, hh, ww)
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_a_comfyui_family_is_one_file_and_one_registration(monkeypatch, proportional):
+    """A ComfyUI family defined and registered here alone (its ``host`` point: how a call
+    places its tokens) is pooled by the ToMe node through ComfyUI's attention override in the
+    stand-in: one model call against the hand-written reference; the clone without the
+    node is untouched."""
+    import sys
+    from pathlib import Path
+    stub = str(Path(__file__).resolve().parent / "comfy_stub")
+    monkeypatch.syspath_prepend(stub)
+    for name in [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]:
+        if not getattr(sys.modules[name], "__file__", "") or \
+                not str(sys.modules[name].__file__).startswith(stub):
+            monkeypatch.delitem(sys.modules, name)
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    from comfy.model_sampling import ModelSamplingFlux
+    from comfy.sampling import dit_sample
+
+    from tome.comfy import nodes
+    dits.register(TOY_COMFY)
+    try:
+        torch.manual_seed(0)
+        base = ModelPatcher(BaseModel(ToyComfyDiT().eval(), ModelSamplingFlux(shift=1.0)))
+        g = torch.Generator().manual_seed(1)
+        noise, ctx = torch.randn(1, 4, 16, 12, generator=g), torch.randn(1, TEXT, 12,
+                                                                        generator=g)
+        sigmas = torch.tensor([1.0, 0.0])  # one model call at sigma 1: x is the noise
+        ref = dit_sample(base, noise, ctx, sigmas)
+        (patched,) = nodes.ToMePatch().patch(
+            base, preset="custom", method="downsample", downsample_factor=2, policy="fixed",
+            proportional=proportional)
+        out = dit_sample(patched, noise, ctx, sigmas)
+        model = base.model.diffusion_model
+        # flow: denoised = x - sigma * out, timestep = sigma * 1000; x = noise at sigma 1
+        want = noise - comfy_reference(model, noise, None, ctx, proportional)
+        assert not torch.allclose(want, ref, atol=1e-3)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(dit_sample(base, noise, ctx, sigmas), ref)
+    finally:
+        dits.unregister(TOY_COMFY.name)

@@ -182,3 +182,25 @@ def test_the_per_call_shims_share_the_core_not_each_other():
     crossing = [f"{m} -> {d}" for m in shims for d in GRAPH[m] if d in shims]
     assert not crossing, crossing
     assert {"tome.percall"} <= GRAPH["tome.override"] & GRAPH["tome.swap"]
+
+
+def test_only_the_family_files_name_a_family():
+    """Everything in which DiTs differ lives in ``tome/dits/``: no other library module
+    imports a family file or names a registered family (the adapters find a family's host
+    point through the registry, ``Family.host``)."""
+    from tome import dits
+    files = {f"tome.dits.{p.stem}" for p in (ROOT / "dits").glob("*.py")} - {
+        "tome.dits.__init__", "tome.dits.family"}
+    names = [f.name for f in dits.BUILTIN_FAMILIES]
+    outside = [p for p in ROOT.rglob("*.py") if "dits" not in p.relative_to(ROOT).parts]
+    importing = [f"{_name(p)} -> {d}" for p in outside for d in GRAPH[_name(p)] & files]
+    assert not importing, importing
+    naming = [f"{_name(p)}: {n!r}" for p in outside for n in names
+              if f'"{n}"' in p.read_text() or f"'{n}'" in p.read_text()]
+    assert not naming, naming
+
+
+def test_no_library_module_is_over_450_lines():
+    long = {_name(p): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long

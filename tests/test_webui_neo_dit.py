@@ -287,7 +287,7 @@ def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
     ours = clone.model_options["model_function_wrapper"]
     spans = percall.Spans(text, True, 0, 1, h, w)
     state = ours.begin(spans, None, q.device, b)
-    pooled = swap.pooled(adapters.NEO["forge neo flux"].points[0])
+    pooled = swap.pooled(adapters.neo_form("forge neo flux").points[0])
     masks = []
 
     def host(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006 (as Neo)

@@ -4,10 +4,11 @@ Five adapters reach a model's blocks: forward hooks on a UNet (``patch.py``), at
 processors on a diffusers or A1111 DiT (``processors.py``), the ModelPatcher's attn1 patch
 of the Forge family and ComfyUI for UNets (``patcher.py``), and for DiTs behind a
 ModelPatcher the per-call core (``percall.py``) through two shims: ComfyUI's attention
-override (``override.py``, installed per model call by an ``apply_model`` wrapper; each
-family says how a call places its tokens: ``COMFY_SPANS``) and Forge Neo's attention
-functions swapped per model call (``swap.py``: ``NEO``). The model's noise schedule
-(``modelpatcher.model_sampling``) is looked up here, once, and handed down.
+override (``override.py``, installed per model call by an ``apply_model`` wrapper) and Forge
+Neo's attention functions swapped per model call (``swap.py``); a family of either host's
+models names its patch point itself (``Family.host``: ``comfy_spans``, ``neo_form``). The
+model's noise schedule (``modelpatcher.model_sampling``) is looked up here, once, and handed
+down.
 Which one patches a model, and how its blocks run merged when measured, is decided here and
 nowhere else, from the layout and the host's contract: plain modules (A1111, SD.Next,
 diffusers, the library) or a ModelPatcher. The library's ``apply_patch``, the WebUI's patching
@@ -21,18 +22,19 @@ from typing import Any
 
 from torch import nn
 
-from . import modelpatcher, override, patch, patcher, percall, percall_runner, processors, swap
-from .config import ToMeConfig
-from .dits import (
-    comfy_flux,
-    comfy_qwen,
-    comfy_wan,
-    neo_flux,
-    neo_lumina,
-    neo_nunchaku,
-    neo_qwen,
-    neo_wan,
+from . import (
+    dits,
+    modelpatcher,
+    override,
+    patch,
+    patcher,
+    percall,
+    percall_runner,
+    processors,
+    swap,
 )
+from .config import ToMeConfig
+from .dits.family import COMFYUI, FORGE_NEO
 from .layout import Layout, read
 from .report import STATE_ATTR, PatchReport
 
@@ -49,9 +51,9 @@ def runner(layout: Layout, contract: str = MODULES, reuse: int = 0) -> Callable 
     if contract == MODEL_PATCHER:
         if layout.dit is None:
             return patcher.run_block
-        if layout.family in NEO:
+        if neo_form(layout.family) is not None:
             return percall_runner.runner(swap.KERNEL, reuse)
-        if layout.family in COMFY_SPANS:
+        if comfy_spans(layout.family) is not None:
             return percall_runner.runner(override.COMFY_KERNEL, reuse)
         return None
     return processors.runner(layout) if layout.dit is not None else patch.run_block
@@ -150,10 +152,11 @@ def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
     sampling = modelpatcher.model_sampling(unet_patcher)
     if layout.dit is not None:
         convert = modelpatcher.percent_to_sigma(sampling)
-        if layout.family in NEO:
-            done = swap.patch(unet_patcher, layout, NEO[layout.family], config, convert)
+        form = neo_form(layout.family)
+        if form is not None:
+            done = swap.patch(unet_patcher, layout, form, config, convert)
             return _measured(done, layout, measurer)
-        spans = COMFY_SPANS.get(layout.family)
+        spans = comfy_spans(layout.family)
         if spans is not None and hasattr(unet_patcher, "add_wrapper_with_key"):
             done = override.patch(unet_patcher, layout, config, spans, convert)
             return _measured(done, layout, measurer)
@@ -179,12 +182,28 @@ def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
     return done
 
 
-# ----------------------------------------------------------------------------- ComfyUI calls
+# ----------------------------------------------------------------------------- host points
 
-# ComfyUI's DiT families -> how a model call places its tokens (the families' ``spans``).
-COMFY_SPANS = {f.FAMILY.name: override.spans_of(f.spans)
-               for f in (comfy_flux, comfy_qwen, comfy_wan)}
+_forms: dict[Any, Any] = {}  # a family's HostPoint -> what its host's shim needs of it
 
-# Forge Neo's DiT families -> the attention functions to swap and how a call places its tokens.
-NEO = {f.FAMILY.name: swap.Form.of(f.POINTS, f.spans)
-       for f in (neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)}
+
+def _form(host: str, family: str, make: Callable) -> Any:
+    """What the host's shim needs of a registered family whose ``host`` point is ``host``
+    (made once per point), or None: the family is not reached through that host's point."""
+    found = dits.REGISTRY.get(family)
+    point = getattr(found, "host", None)
+    if point is None or point.host != host:
+        return None
+    if point not in _forms:
+        _forms[point] = make(point)
+    return _forms[point]
+
+
+def comfy_spans(family: str) -> Callable | None:
+    """A ComfyUI family's reading of a model call (``Spans``), or None."""
+    return _form(COMFYUI, family, lambda p: override.spans_of(p.spans))
+
+
+def neo_form(family: str) -> swap.Form | None:
+    """A Forge Neo family's attention globals to swap and its call reading, or None."""
+    return _form(FORGE_NEO, family, lambda p: swap.Form.of(p.points, p.spans))

@@ -20,14 +20,16 @@ Adding a DiT family:
      ``attend.attend``), ``inputs`` (one block's call for measuring), and where needed
      ``attentions``, ``check`` (a library version the maths do not match), ``shadow``
      (a model without processors: A1111's MMDiT) and ``attention``;
-   - for a host's own patch point (ComfyUI's attention override, Forge Neo's): ``name``,
-     ``recognise`` and ``read``, plus what that adapter reads of the family (e.g.
-     ``comfy_flux.spans``), named to it in ``adapters.py``;
+   - for a host's own patch point (ComfyUI's attention override, Forge Neo's attention
+     globals): ``name``, ``recognise``, ``read`` and ``host=HostPoint(COMFYUI, spans)``
+     (how a model call places its text, image frames and reference tokens) or
+     ``HostPoint(FORGE_NEO, spans, points)`` (also the globals Neo's blocks call attention
+     by); the adapters find it through the registry, nothing else names the family;
 2. one line here: its module in ``BUILTIN`` (a family outside the library calls
    ``register(FAMILY)`` itself; ``unregister(name)`` undoes it);
 3. tests: the reader, a pooled call against a hand-written reference and factor 1 against
    the library's own bits, removal bit-exact (``tests/test_dits.py`` proves the recipe with
-   a toy family defined in the test file);
+   a toy diffusers-like family and a toy ComfyUI family, each defined in the test file);
 4. docs: the model lists (README, ``docs/development.md``); ``layout``'s "not supported"
    message names the registered families itself.
 """
@@ -54,10 +56,10 @@ from . import (
     sd3,
     wan,
 )
-from .family import Call, Dit, Family, by_class, latent_call
+from .family import COMFYUI, FORGE_NEO, Call, Dit, Family, HostPoint, by_class, latent_call
 
-__all__ = ["Call", "Dit", "Family", "by_class", "latent_call", "register", "unregister",
-           "families", "find", "of", "attention"]
+__all__ = ["COMFYUI", "FORGE_NEO", "Call", "Dit", "Family", "HostPoint", "by_class",
+           "latent_call", "register", "unregister", "families", "find", "of", "attention"]
 
 REGISTRY: dict[str, Family] = {}
 
@@ -112,3 +114,4 @@ BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan,
            neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)  # Nunchaku's before Neo's
 for _module in BUILTIN:
     register(_module.FAMILY)
+BUILTIN_FAMILIES = tuple(m.FAMILY for m in BUILTIN)

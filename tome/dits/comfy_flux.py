@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import Dit, Family
+from .family import COMFYUI, Dit, Family, HostPoint
 
 
 def comfy(module: nn.Module) -> bool:
@@ -34,7 +34,6 @@ def recognise(module: nn.Module) -> bool:
         and hasattr(module, "single_blocks") and isinstance(getattr(module, "patch_size", 2), int)
 
 
-FAMILY = Family("comfy flux", recognise, read)
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
@@ -54,3 +53,6 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
 
     after = sum(math.prod(tokens(r)) for r in conds.get("ref_latents") or ())
     return (int(context.shape[1]), True, 0, *tokens(x), after)
+
+
+FAMILY = Family("comfy flux", recognise, read, host=HostPoint(COMFYUI, spans))

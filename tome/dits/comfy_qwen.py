@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from .comfy_flux import comfy, spans  # noqa: F401 (its call reading)
-from .family import Dit, Family
+from .family import COMFYUI, Dit, Family, HostPoint
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
@@ -18,4 +18,5 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 
 FAMILY = Family("comfy qwen-image",
-                lambda m: comfy(m) and type(m).__name__ == "QwenImageTransformer2DModel", read)
+                lambda m: comfy(m) and type(m).__name__ == "QwenImageTransformer2DModel", read,
+                host=HostPoint(COMFYUI, spans))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import Dit, Family
+from .family import COMFYUI, Dit, Family, HostPoint
 
 
 def recognise(module: nn.Module) -> bool:
@@ -56,4 +56,4 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, before, frames, h, w, after)
 
 
-FAMILY = Family("comfy wan", recognise, read)
+FAMILY = Family("comfy wan", recognise, read, host=HostPoint(COMFYUI, spans))

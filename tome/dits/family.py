@@ -126,12 +126,33 @@ def pooled_attentions(block: nn.Module) -> list[nn.Module]:
             if isinstance(a, nn.Module)]
 
 
+COMFYUI, FORGE_NEO = "comfyui", "forge neo"  # the hosts whose own patch points a family names
+
+
+@dataclass(frozen=True)
+class HostPoint:
+    """Where a host's own patch point meets the family's attention (``Family.host``).
+
+    ComfyUI (``override.py``): every attention call passes through its override; the family
+    says how a model call places its tokens, ``spans(model, x, context, conds)``. Forge Neo
+    (``swap.py``): no hook, so the family names the module globals its blocks call attention
+    by (``points``: ``(module, global, sequence axis, pre-RoPE embedding (position, keyword),
+    mask (position, keyword))``, positions counting the arguments after q, k, v) and
+    ``spans(model, x, c)``. Either ``spans`` gives ``percall.Spans``' fields, ``(text,
+    text_first, before, frames, h, w, after)``, or None: that call is not pooled."""
+
+    host: str                                    # COMFYUI or FORGE_NEO
+    spans: Callable[..., tuple | None]
+    points: tuple = ()
+
+
 @dataclass(frozen=True)
 class Family:
-    """One DiT family: how to recognise and read it, and how an adapter on plain modules
-    (``processors.py``) finds its calls, pools its attention and measures a block. A family
-    reached only through a host's own patch point (ComfyUI's: ``override.py``, ``patcher.py``)
-    leaves those fields at their defaults: its blocks then stay unpooled on plain modules."""
+    """One DiT family: how to recognise and read it, and either how an adapter on plain
+    modules (``processors.py``) finds its calls, pools its attention and measures a block, or
+    (``host``) where a host's own patch point reaches it (ComfyUI's override, Forge Neo's
+    attention globals). A family reached only through a host's point leaves the
+    plain-module fields at their defaults: its blocks then stay unpooled on plain modules."""
 
     name: str                                  # display name: ``Layout.family``, reports
     recognise: Callable[[nn.Module], bool]     # this module is the family's denoiser
@@ -154,6 +175,8 @@ class Family:
     # The module named as the block's attention where it is not ``attn1``/``attn`` (measuring
     # names its kernel; the fingerprint reads its heads).
     attention: Callable[[nn.Module], nn.Module | None] | None = None
+    # A host's own patch point: a family of ComfyUI's or Forge Neo's models (``HostPoint``).
+    host: HostPoint | None = None
 
 
 # ----------------------------------------------------------------------------- helpers

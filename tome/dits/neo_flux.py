@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import Dit, Family
+from .family import FORGE_NEO, Dit, Family, HostPoint
 
 PACKAGE = "backend.nn."  # where Neo's model modules live (Nunchaku's too: backend.nn.svdq)
 
@@ -78,4 +78,5 @@ spans = image_spans(4)
 POINTS = (("backend.nn.flux", "attention", 2, (0, "pe"), (1, "mask")),)
 
 FAMILY = Family("forge neo flux", neo("IntegratedFluxTransformer2DModel",
-                                      "IntegratedChromaTransformer2DModel"), read)
+                                      "IntegratedChromaTransformer2DModel"), read,
+                host=HostPoint(FORGE_NEO, spans, POINTS))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import Dit, Family
+from .family import FORGE_NEO, Dit, Family, HostPoint
 from .neo_flux import neo, text_of, tokens
 
 
@@ -38,4 +38,5 @@ def spans(model: nn.Module, x: torch.Tensor, c: dict) -> tuple | None:
 
 POINTS = (("backend.nn.lumina", "attention_function", 2, None, (1, "mask")),)
 
-FAMILY = Family("forge neo lumina", neo("NextDiT"), read)
+
+FAMILY = Family("forge neo lumina", neo("NextDiT"), read, host=HostPoint(FORGE_NEO, spans, POINTS))

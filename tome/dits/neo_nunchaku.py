@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from .family import Dit, Family
+from .family import FORGE_NEO, Dit, Family, HostPoint
 from .neo_flux import PACKAGE
 
 SVDQ = PACKAGE + "svdq"
@@ -43,10 +43,12 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
         blocks, ()
 
 
-FAMILY = Family("forge neo nunchaku", recognise, read)
-
 POINTS: tuple = ()  # nothing to swap: ``Bypassed`` says why
 
 
 def spans(model: nn.Module, x: Any, c: dict) -> None:
     return None
+
+
+FAMILY = Family("forge neo nunchaku", recognise, read,
+                host=HostPoint(FORGE_NEO, spans, POINTS))

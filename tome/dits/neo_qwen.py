@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from .family import Dit, Family
+from .family import FORGE_NEO, Dit, Family, HostPoint
 from .neo_flux import image_spans, neo
 
 
@@ -24,4 +24,5 @@ spans = image_spans(5)  # Neo's Qwen-Image takes [B, C, 1, H, W]
 
 POINTS = (("backend.nn.qwen", "attention_function", 1, None, (1, "mask")),)
 
-FAMILY = Family("forge neo qwen-image", neo("QwenImageTransformer2DModel"), read)
+FAMILY = Family("forge neo qwen-image", neo("QwenImageTransformer2DModel"), read,
+                host=HostPoint(FORGE_NEO, spans, POINTS))

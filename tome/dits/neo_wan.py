@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import Dit, Family
+from .family import FORGE_NEO, Dit, Family, HostPoint
 from .neo_flux import neo, tokens
 
 
@@ -35,4 +35,4 @@ def spans(model: nn.Module, x: torch.Tensor, c: dict) -> tuple | None:
 
 POINTS = (("backend.nn.wan", "attention", 1, None, (1, "mask")),)
 
-FAMILY = Family("forge neo wan", neo("WanModel"), read)
+FAMILY = Family("forge neo wan", neo("WanModel"), read, host=HostPoint(FORGE_NEO, spans, POINTS))
