@@ -43,6 +43,7 @@ from torch import nn
 from . import (
     comfy_flux,
     comfy_qwen,
+    comfy_unreached,
     comfy_wan,
     flux,
     hunyuan_video,
@@ -110,8 +111,18 @@ def attention(block: nn.Module) -> nn.Module | None:
 
 
 # The built-in families, in the order they are tried.
-BUILTIN = (flux, sd3, mmdit, comfy_flux, comfy_qwen, comfy_wan, qwen_image, wan, hunyuan_video,
-           neo_nunchaku, neo_flux, neo_wan, neo_qwen, neo_lumina)  # Nunchaku's before Neo's
+BUILTIN = (
+    flux, sd3, mmdit, qwen_image, wan, hunyuan_video,  # diffusers', A1111's
+    comfy_unreached,  # ComfyUI's: the unreachable first (a Nunchaku wrapper holds another's)
+    comfy_flux,
+    comfy_qwen,
+    comfy_wan,
+    neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
+    neo_flux,
+    neo_wan,
+    neo_qwen,
+    neo_lumina,
+)
 for _module in BUILTIN:
     register(_module.FAMILY)
 BUILTIN_FAMILIES = tuple(m.FAMILY for m in BUILTIN)
