@@ -74,11 +74,16 @@ class Spans(NamedTuple):
         """Where the image starts in a self-attention call of ``length`` tokens (joint or
         image-only), or None where the call is not one of this model call's sequences;
         ``whole``: joint calls only where the family has text (Forge Neo's Lumina runs
-        refiner blocks over the image alone, which stay unpooled)."""
+        refiner blocks over the image alone, which stay unpooled). Where the family has text,
+        an image-only call as long as the text is not placed: it cannot be told from the
+        text's own self-attention (ComfyUI's Lumina refines the caption alone, then the
+        image alone)."""
         core = self.before + self.image + self.after
         if self.text and length == self.text + core:
             return self.before + (self.text if self.text_first else 0)
-        return self.before if length == core and not (whole and self.text) else None
+        if length != core or (self.text and (whole or length == self.text)):
+            return None
+        return self.before
 
 
 class CallState(NamedTuple):

@@ -42,6 +42,7 @@ from torch import nn
 
 from . import (
     comfy_flux,
+    comfy_lumina,
     comfy_qwen,
     comfy_unreached,
     comfy_wan,
@@ -115,6 +116,7 @@ BUILTIN = (
     flux, sd3, mmdit, qwen_image, wan, hunyuan_video,  # diffusers', A1111's
     comfy_unreached,  # ComfyUI's: the unreachable first (a Nunchaku wrapper holds another's)
     comfy_flux,
+    comfy_lumina,
     comfy_qwen,
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others

@@ -1,0 +1,197 @@
+"""ComfyUI's DiT families whose self-attention is over the image alone, or that run refiner
+calls before their joint blocks (issue 41): Lumina 2 and Z-Image, LTX-Video, Cosmos predict1
+and predict2, Kandinsky 5. Each against a tiny stand-in (``tests/comfy_stub/comfy/ldm/``,
+true to ComfyUI 0.8.0's and v0.30.0's call shapes where they differ): one model call through
+the ToMe node against a hand-written reference (the stand-in's own attention swapped for
+``reference_backend``: keys and values pooled per cell of each frame by loops, ``log(cell
+size)`` on the cells' scores, an einsum softmax; the calls it must leave alone run whole),
+a sampling that is finite, close and the same for the same seed, and the model without the
+node bit-identical."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUB = str(Path(__file__).resolve().parent / "comfy_stub")
+if STUB not in sys.path:
+    sys.path.insert(0, STUB)
+
+from comfy.model_base import BaseModel  # noqa: E402
+from comfy.model_patcher import ModelPatcher  # noqa: E402
+from comfy.model_sampling import ModelSamplingDiscreteFlow  # noqa: E402
+from comfy.sampling import dit_sample  # noqa: E402
+
+from tome import dits  # noqa: E402
+from tome.comfy import host, nodes  # noqa: E402
+
+VERSIONS = ["0.8.0", "0.30.0"]
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    said = []
+    monkeypatch.setattr(host, "console", said.append)
+    return said
+
+
+def pooled(base, proportional=True, factor=2):
+    (out,) = nodes.ToMePatch().patch(base, preset="custom", method="downsample",
+                                     downsample_factor=factor, policy="fixed",
+                                     proportional=proportional)
+    return out
+
+
+def patcher(net, shift=3.0, multiplier=1.0):
+    return ModelPatcher(BaseModel(net.eval(), ModelSamplingDiscreteFlow(shift, multiplier)))
+
+
+def groups(length, start, grid, f):
+    """The reference's keys: each token before ``start`` alone, then the image's cells (per
+    frame, ``f x f`` tokens, fewer at the bottom and right edges), then each token after the
+    image alone (loops, row-major within each frame)."""
+    frames, h, w = grid
+    out = [[i] for i in range(start)]
+    for t in range(frames):
+        for i0 in range(0, h, f):
+            for j0 in range(0, w, f):
+                out.append([start + t * h * w + i * w + j for i in range(i0, min(i0 + f, h))
+                            for j in range(j0, min(j0 + f, w))])
+    return out + [[i] for i in range(start + frames * h * w, length)]
+
+
+def reference_backend(layout, grid, f=2, proportional=True, seen=None):
+    """An attention backend with ComfyUI's signature that pools by hand: ``layout`` maps a
+    self-attention call's key length to where its image starts (None: that call runs whole,
+    as every call whose length is not in it: cross-attention, text alone)."""
+    def backend(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                skip_output_reshape=False, **kwargs):
+        if not skip_reshape:
+            q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        n = k.shape[2]
+        start = layout.get(n) if q.shape[2] == n else None
+        cells = groups(n, start, grid, f) if start is not None else [[i] for i in range(n)]
+        if seen is not None:
+            seen.append((n, start))
+        kp = torch.stack([sum(k[:, :, i] for i in c) / len(c) for c in cells], 2)
+        vp = torch.stack([sum(v[:, :, i] for i in c) / len(c) for c in cells], 2)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), kp.float()) / math.sqrt(q.shape[-1])
+        if proportional:
+            scores = scores + torch.tensor([math.log(len(c)) for c in cells])
+        if mask is not None:
+            m = mask if mask.dtype != torch.bool else \
+                torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+            while m.dim() < 4:
+                m = m.unsqueeze(0)
+            scores = scores + torch.stack([sum(m[..., i] for i in c) / len(c) for c in cells],
+                                          -1)
+        out = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), vp.float()).to(q.dtype)
+        return out if skip_output_reshape else out.transpose(1, 2).flatten(2)
+    return backend
+
+
+def one_call(p, noise, ctx, **conds):
+    """The denoised latent of one model call at sigma 1 (x is the noise)."""
+    return dit_sample(p, noise, ctx, torch.tensor([1.0, 0.0]), **conds)
+
+
+def close(a, b, tol=0.2):
+    return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm()) < tol
+
+
+def check_sampling(base, noise, ctx, sigmas, **conds):
+    """Four steps with and without the node: finite, close, not equal; the same seed gives
+    the same latent; the input model stays bit-identical."""
+    ref = dit_sample(base, noise, ctx, sigmas, **conds)
+    ours = pooled(base)
+    out = dit_sample(ours, noise, ctx, sigmas, **conds)
+    assert not torch.equal(out, ref) and close(out, ref)
+    assert torch.equal(dit_sample(ours, noise, ctx, sigmas, **conds), out)
+    assert torch.equal(dit_sample(base, noise, ctx, sigmas, **conds), ref)
+    return ours
+
+
+SIGMAS = torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0])
+
+
+# ----------------------------------------------------------------------------- Lumina 2, Z-Image
+
+def lumina(version, multiple=None, seed=0):
+    from comfy.ldm.lumina.model import NextDiT
+    torch.manual_seed(seed)
+    return NextDiT(pad_tokens_multiple=multiple, version=version)
+
+
+# (pad multiple, latent, text): (layout by key length, token grid)
+LUMINA_CASES = {
+    "z-image": (8, (1, 4, 14, 10), 5, {8: None, 40: 0, 48: 8}, (1, 7, 5)),
+    "lumina 2": (None, (1, 4, 12, 8), 5, {5: None, 24: 0, 29: 5}, (1, 6, 4)),
+    # a caption as long as the image: the refiners' calls cannot be told apart, both whole
+    "text as long as the image": (None, (1, 4, 12, 8), 24, {24: None, 48: 24}, (1, 6, 4)),
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", list(LUMINA_CASES))
+@pytest.mark.parametrize("proportional", [True, False])
+def test_lumina_and_z_image_against_a_hand_written_reference(monkeypatch, lines, version, case,
+                                                             proportional):
+    """The caption refiner whole, the image refiner's call pooled from its first token (its
+    padding whole), the joint calls pooled after the padded caption; the padded image's pad
+    tokens whole. With a caption as long as the image, both refiners run whole."""
+    import comfy.ldm.lumina.model as lumina_model
+    multiple, shape, text, layout, grid = LUMINA_CASES[case]
+    base = patcher(lumina(version, multiple))
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(shape, generator=g), torch.randn(1, text, 12, generator=g)
+    # 0.8.0's caption refiner takes the conditioning's mask (Lumina 2's: no caption padding)
+    mask = torch.ones(1, text, dtype=torch.bool) if version == "0.8.0" and not multiple \
+        else None
+    conds = {"attention_mask": mask} if mask is not None else {}
+    ref = one_call(base, noise, ctx, **conds)
+    out = one_call(pooled(base, proportional), noise, ctx, **conds)
+    assert lines[0].startswith("ToMe: comfy lumina DiT, downsample x2")
+    seen = []
+    monkeypatch.setattr(lumina_model, "optimized_attention_masked",
+                        reference_backend(layout, grid, 2, proportional, seen))
+    want = one_call(base, noise, ctx, **conds)
+    assert sorted(set(seen)) == sorted(layout.items())
+    assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_z_image_samples_close_and_the_same_for_the_same_seed(lines, version):
+    base = patcher(lumina(version, 8))
+    g = torch.Generator().manual_seed(2)
+    noise, ctx = torch.randn(1, 4, 14, 10, generator=g), torch.randn(1, 5, 12, generator=g)
+    check_sampling(base, noise, ctx, SIGMAS)
+    assert lines[-1].startswith("ToMe: pooled ")
+
+
+def test_lumina_is_read_with_its_layers_and_z_image_omni_calls_are_not_placed():
+    from tome.dits import comfy_lumina
+    model = lumina("0.30.0", 8)
+    family = dits.find(model)
+    assert family is not None and family.name == "comfy lumina"
+    facts, doubles, singles = family.read(model)
+    assert list(doubles) == list(model.layers) and not list(singles) and facts.patch == 2
+    x, ctx = torch.zeros(1, 4, 14, 10), torch.zeros(1, 5, 12)
+    assert comfy_lumina.spans(model, x, ctx, {}) == (8, True, 0, 1, 7, 5, 5)
+    assert comfy_lumina.spans(model, x, ctx, {"ref_latents": [x]}) is None
+
+
+def test_spans_leave_an_image_only_call_as_long_as_the_text():
+    """``percall.Spans.start``: where a family has text, an image-only call as long as the
+    text is not placed (Lumina's caption refiner); joint and other image-only calls are."""
+    from tome.percall import Spans
+    same = Spans(24, True, 0, 1, 6, 4, 0)
+    assert same.start(48) == 24 and same.start(24) is None
+    padded = Spans(8, True, 0, 1, 7, 5, 5)
+    assert (padded.start(48), padded.start(40), padded.start(8)) == (8, 0, None)
+    assert padded.start(40, whole=True) is None
+    assert Spans(0, True, 0, 3, 2, 2, 0).start(12) == 0  # Wan: no text, image alone
