@@ -377,3 +377,22 @@ def test_residual_reuse_applies_per_identity_and_is_freed_after_the_generation(c
     assert torch.equal(latent(webui, dit(schedule="all:8", reuse=5), steps=8), on)
     assert torch.equal(latent(webui, steps=8), off)
     assert "not applied on this host: residual reuse" not in capsys.readouterr().out
+
+
+def test_each_pass_prints_its_tally_of_attention_calls_once(capsys):
+    """After each sampling pass the WebUI prints the line ComfyUI's node prints after each
+    sampling, the pass named, once per pass even over two batches. The stand-in Flux has 2
+    double- and 2 single-stream blocks, so a model call makes 4 attention calls; with CFG
+    (cond and uncond in one batch) one model call per step: 4 steps make 16 calls, the
+    3-step hires pass 12. ``blocks double`` pools the 2 double-stream blocks' calls and
+    leaves the 2 single-stream ones at x1."""
+    webui = WebUI(neo.NeoModel("flux"))
+    webui.generate(tome=dit(blocks="double"), steps=4, n_iter=2, enable_hr=True, hr_scale=2.0,
+                   hr_second_pass_steps=3)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "attention calls" in x]
+    assert lines == [
+        "ToMe: first pass pooled 8 of 16 attention calls; the rest: blocks at x1 8",
+        "ToMe: hires pass pooled 6 of 12 attention calls; the rest: blocks at x1 6"]
+    webui.generate(tome=dit(), steps=2, cfg_scale=1)  # one call per step, batch 1: 2 x 4
+    assert [x for x in capsys.readouterr().out.splitlines() if "attention calls" in x] == [
+        "ToMe: first pass pooled 8 of 8 attention calls"]

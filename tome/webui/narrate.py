@@ -141,6 +141,13 @@ class Voice:
         p.extra_generation_params[infotext.STEPS] = " | ".join(
             f"{PASS_LABELS[name]} {w.merged} of {w.steps}" for name, w in counted.items())
 
+    def tally(self, name: str, line: str | None) -> None:
+        """After a pass on the per-call path (Forge Neo's swap): ComfyUI's line after each
+        sampling (``ToMe: pooled 16 of 16 attention calls``, or why none was), the pass named:
+        ``ToMe: first pass pooled 16 of 16 attention calls``; once per generation."""
+        if line:
+            self.say(f"ToMe: {PASS_LABELS[name]} {line.removeprefix('ToMe: ')}")
+
     def dit_resolved(self, p: Any, name: str, text: str) -> None:
         """Per DiT pass: what its settings resolved to (console once, infotext note)."""
         line = f"{PASS_LABELS[name]} {text}"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import adapters, is_patched, methods, policy, remove_patch
+from .. import adapters, is_patched, methods, percall_calls, policy, remove_patch
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
@@ -48,6 +48,9 @@ class Generation:
     windows: dict[str, Any] = field(default_factory=dict, repr=False)  # pass -> plan.Window
     routed: dict[int, str] = field(default_factory=dict, repr=False)  # SD.Next: UNet -> pass
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
+    # The per-call core's patches of the passes sampling now (Forge Neo's swap): (pass, patch,
+    # its counts and tallies at the pass's start), told when the pass ends (``_tally``).
+    tallied: list[tuple[str, Any, tuple, tuple]] = field(default_factory=list, repr=False)
 
     def pass_name(self, p: Any) -> str:
         if self.img2img:
@@ -128,6 +131,7 @@ def after_batch(p: Any) -> None:
     """After each batch's sampling, before its images' infotext: blocks skipped meanwhile."""
     gen: Generation | None = getattr(p, GEN_ATTR, None)
     if gen is not None:
+        _tally(gen)
         _skips(p, gen)
         gen.voice.window_steps(p, gen.windows)
 
@@ -241,6 +245,26 @@ def _skips(p: Any, gen: Generation) -> None:
     gen.voice.skipped_blocks(p, list(skipped.values()))
 
 
+def _track(gen: Generation, name: str, mark: Any) -> None:
+    """A pass patched through the per-call core (``percall.Core``: Forge Neo's swap), which
+    counts its attention calls: the pass before it has ended, so its line is told now."""
+    if not hasattr(mark, "tallies") or any(m is mark for _, m, _, _ in gen.tallied):
+        return
+    _tally(gen)
+    gen.tallied.append((name, mark, mark.counts(), mark.tallies()))
+
+
+def _tally(gen: Generation) -> None:
+    """After a pass: the line ComfyUI's node prints after each sampling, once per pass: why
+    nothing was pooled (a never-reached swap said so at its first call), or how many
+    attention calls were pooled and what the rest were. An interrupted pass says nothing."""
+    while gen.tallied:
+        name, mark, counts, tallies = gen.tallied.pop(0)
+        reached = mark.counts()[1] > counts[1]
+        why = mark.not_pooled(counts) if reached or mark.on_silent is None else None
+        gen.voice.tally(name, why or percall_calls.line(mark.tallies(), tallies))
+
+
 def _unpatch(model: Any) -> None:
     _patched.discard(model)
     try:
@@ -275,6 +299,7 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     if not report.planner.window.full:
         gen.windows[name] = report.planner.window
     _skips(p, gen)
+    _track(gen, name, host.forge_patch(model))
     seeded = methods.get(cfg.method).seeded(cfg)
     kind = host.model_kind(model) if kind is None else kind  # SD.Next: the pipeline's flags
     gen.voice.summary(narrate.head(kind, report), gen.passes,
