@@ -195,3 +195,113 @@ def test_spans_leave_an_image_only_call_as_long_as_the_text():
     assert (padded.start(48), padded.start(40), padded.start(8)) == (8, 0, None)
     assert padded.start(40, whole=True) is None
     assert Spans(0, True, 0, 3, 2, 2, 0).start(12) == 0  # Wan: no text, image alone
+
+
+# ------------------------------------------------------------------- image-only self-attention
+
+def ltxv(version):
+    from comfy.ldm.lightricks.model import LTXVModel
+    torch.manual_seed(0)
+    return LTXVModel(version=version)
+
+
+def cosmos(version, predict):
+    from comfy.ldm.cosmos.model import GeneralDIT
+    from comfy.ldm.cosmos.predict2 import MiniTrainDIT
+    torch.manual_seed(0)
+    return MiniTrainDIT(version=version) if predict == 2 else GeneralDIT()
+
+
+def kandinsky(version):
+    from comfy.ldm.kandinsky5.model import Kandinsky5
+    torch.manual_seed(0)
+    return Kandinsky5()
+
+
+def attention_modules():
+    import comfy.ldm.cosmos.model
+    import comfy.ldm.cosmos.predict2
+    import comfy.ldm.kandinsky5.model
+    import comfy.ldm.modules.attention
+    return {"ltx-video": (comfy.ldm.modules.attention, ("optimized_attention",
+                                                        "optimized_attention_masked")),
+            "cosmos 1": (comfy.ldm.cosmos.model, ("optimized_attention",)),
+            "cosmos 2": (comfy.ldm.cosmos.predict2, ("optimized_attention",)),
+            "kandinsky 5": (comfy.ldm.kandinsky5.model, ("optimized_attention",)),
+            "kandinsky 5 image": (comfy.ldm.kandinsky5.model, ("optimized_attention",))}
+
+
+# name: (model, family, latent, token grid (frames first), tokens after the video, conds)
+GUIDES = torch.zeros(1, 3, 30, 2)  # one guide frame's 6 x 5 tokens
+VIDEO_CASES = {
+    "ltx-video": (ltxv, "comfy ltx-video", (1, 8, 3, 6, 5), (3, 6, 5), 0,
+                  {"attention_mask": torch.zeros(1, 1, 1, 5)}),
+    "ltx-video guided": (ltxv, "comfy ltx-video", (1, 8, 3, 6, 5), (2, 6, 5), 30,
+                         {"keyframe_idxs": GUIDES}),
+    "cosmos 1": (lambda v: cosmos(v, 1), "comfy cosmos", (1, 4, 2, 8, 10), (2, 4, 5), 0, {}),
+    "cosmos 2": (lambda v: cosmos(v, 2), "comfy cosmos", (1, 4, 2, 7, 9), (2, 4, 5), 0, {}),
+    "kandinsky 5": (kandinsky, "comfy kandinsky 5", (1, 4, 3, 6, 8), (3, 3, 4), 0, {}),
+    "kandinsky 5 image": (kandinsky, "comfy kandinsky 5", (1, 4, 10, 14), (1, 5, 7), 0, {}),
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+@pytest.mark.parametrize("proportional", [True, False])
+def test_image_only_self_attention_against_a_hand_written_reference(monkeypatch, lines, version,
+                                                                    case, proportional):
+    """The self-attention over the video (or image) tokens pooled per cell of each frame,
+    guide frames after the video whole; the cross-attention to the text and Kandinsky's
+    text self-attention whole."""
+    make, name, shape, grid, after, conds = VIDEO_CASES[case]
+    base = patcher(make(version))
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(shape, generator=g), torch.randn(1, 5, 12, generator=g)
+    ref = one_call(base, noise, ctx, **conds)
+    out = one_call(pooled(base, proportional), noise, ctx, **conds)
+    assert lines[0].startswith(f"ToMe: {name} DiT, downsample x2")
+    tokens = math.prod(grid) + after
+    seen = []
+    module, names = attention_modules()[case.replace(" guided", "")]
+    for attr in names:
+        monkeypatch.setattr(module, attr,
+                            reference_backend({tokens: 0}, grid, 2, proportional, seen))
+    want = one_call(base, noise, ctx, **conds)
+    assert (tokens, 0) in seen and (5, None) in seen  # the text: cross-attention, its own
+    assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", ["ltx-video", "cosmos 2", "kandinsky 5"])
+def test_video_families_sample_close_and_the_same_for_the_same_seed(lines, version, case):
+    make, _, shape, _, _, conds = VIDEO_CASES[case]
+    g = torch.Generator().manual_seed(2)
+    noise, ctx = torch.randn(shape, generator=g), torch.randn(1, 5, 12, generator=g)
+    check_sampling(patcher(make(version)), noise, ctx, SIGMAS, **conds)
+    assert lines[-1].startswith("ToMe: pooled ")
+
+
+def test_video_families_are_read_and_place_only_what_they_can_tell_apart():
+    from tome.dits import comfy_cosmos, comfy_kandinsky, comfy_ltxv
+    for make, name, blocks in [(ltxv, "comfy ltx-video", "transformer_blocks"),
+                               (lambda v: cosmos(v, 2), "comfy cosmos", "blocks"),
+                               (kandinsky, "comfy kandinsky 5", "visual_transformer_blocks")]:
+        model = make("0.30.0")
+        family = dits.find(model)
+        assert family is not None and family.name == name
+        assert list(family.read(model)[1]) == list(getattr(model, blocks))
+    one = cosmos("0.8.0", 1)
+    assert list(dits.find(one).read(one)[1]) == list(one.blocks.values())  # a ModuleDict
+    video, text = torch.zeros(1, 8, 3, 6, 5), torch.zeros(1, 5, 12)
+    model = ltxv("0.8.0")
+    assert comfy_ltxv.spans(model, video, text, {}) == (0, True, 0, 3, 6, 5, 0)
+    assert comfy_ltxv.spans(model, video, text, {"keyframe_idxs": torch.zeros(1, 3, 7, 2)}) \
+        is None  # guide tokens that are not whole frames
+    assert comfy_ltxv.spans(model, video, torch.zeros(1, 90, 12), {}) is None  # text as long
+    assert comfy_cosmos.spans(cosmos("0.8.0", 2), torch.zeros(1, 4, 2, 7, 9), text, {}) \
+        == (0, True, 0, 2, 4, 5, 0)
+    k5 = kandinsky("0.8.0")
+    assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 10, 14), text, {}) \
+        == (0, True, 0, 1, 5, 7, 0)
+    assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 4, 6), torch.zeros(1, 6, 12), {}) is None

@@ -41,7 +41,10 @@ from typing import Any
 from torch import nn
 
 from . import (
+    comfy_cosmos,
     comfy_flux,
+    comfy_kandinsky,
+    comfy_ltxv,
     comfy_lumina,
     comfy_qwen,
     comfy_unreached,
@@ -117,6 +120,9 @@ BUILTIN = (
     comfy_unreached,  # ComfyUI's: the unreachable first (a Nunchaku wrapper holds another's)
     comfy_flux,
     comfy_lumina,
+    comfy_ltxv,
+    comfy_cosmos,
+    comfy_kandinsky,
     comfy_qwen,
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
