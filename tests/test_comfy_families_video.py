@@ -305,3 +305,11 @@ def test_video_families_are_read_and_place_only_what_they_can_tell_apart():
     assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 10, 14), text, {}) \
         == (0, True, 0, 1, 5, 7, 0)
     assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 4, 6), torch.zeros(1, 6, 12), {}) is None
+
+
+def test_ltx_2_audio_video_is_not_claimed_as_ltx_video():
+    """LTX-2 (``LTXAVModel``, a subclass of ``LTXVModel``) runs audio self-attention and
+    audio-video cross-attention in the same call: not placed, so not claimed."""
+    from comfy.ldm.lightricks.model import LTXVModel
+    LTXAVModel = type("LTXAVModel", (LTXVModel,), {"__module__": "comfy.ldm.lightricks.av_model"})
+    assert dits.find(LTXAVModel()) is None or dits.find(LTXAVModel()).name != "comfy ltx-video"
