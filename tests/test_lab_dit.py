@@ -91,3 +91,20 @@ def test_dit_quality_rows_have_the_heldout_loss():
     assert rows[0]["loss_increase"] == {t: 0.0 for t in dit_quality.LOSS_TIMES}
     assert any(v != 0 for v in rows[1]["loss_increase"].values())
     assert "loss Δ t=0.5" in dit_quality.table(rows)
+
+
+def test_dit_bench_quick_times_one_call_of_the_override_only_families(tmp_path):
+    """Lumina 2 (joint [text, image]) at an image size, LTX-Video (video-only) at a video
+    size: one self-attention call each, unpooled, x2, x4 and the ceiling, in the table."""
+    from tome_lab import dit_bench
+    assert dit_bench.main(["--quick", "--models", "lumina2,ltxv", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "dit_bench.json").read_text())
+    assert not data["rows"]
+    rows = {r["family"]: r for r in data["call_rows"]}
+    assert set(rows) == {"lumina2", "ltxv"}
+    assert set(rows["lumina2"]["call_ms"]) == {"none", "x2", "x4", "ceiling"}
+    assert (rows["lumina2"]["px"], rows["lumina2"]["image_tokens"]) == (256, 256)
+    assert rows["lumina2"]["sequence"] == 8 + 256
+    assert (rows["ltxv"]["px"], rows["ltxv"]["image_tokens"]) == ("64x48x5", 2 * 2)
+    assert rows["ltxv"]["sequence"] == 4 and rows["ltxv"]["text_tokens"] == 0
+    assert "| lumina2 | 256 | 256 | 264 |" in (tmp_path / "dit_bench.md").read_text()

@@ -4,6 +4,11 @@ image keys/values.
     python -m tome_lab.dit_bench            # Flux and SD3 at 512, 768, 1024 and 2048 px
     python -m tome_lab.dit_bench --models qwen,wan --sizes 1024,2048 --video-sizes 832x480x33
     python -m tome_lab.dit_bench --quick    # tiny widths at small sizes, one round (a test)
+    python -m tome_lab.dit_bench --models lumina2,z-image,ltxv,cosmos2,kandinsky5
+
+The last: ComfyUI's families pooled only through its attention override (``dit_calls.py``):
+one self-attention call each at the released shapes, at ``--call-sizes`` (1024, 2048 px) and
+``--call-video-sizes`` (832x480 with 33 and 81 frames), against the ceiling.
 
 The models are diffusers' ``FluxTransformer2DModel`` with FLUX.1-dev's config (24 heads x 128
 = 3072 wide, T5 width 4096, pooled CLIP 768, RoPE axes 16/56/56, guidance embedding) and
@@ -61,7 +66,7 @@ from tome import dit, layout, measure, memory, policy
 from tome.layout import channels
 from tome.measurements import MeasurementCache, Measurer
 
-from . import timing
+from . import dit_calls, timing
 from .device import DEVICES, machine, pick_device, pick_dtype
 from .dit_shapes import (
     FAMILIES,
@@ -442,7 +447,12 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tome_lab.dit_bench",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="flux,sd3", help=f"from {','.join(FAMILIES)}")
+    ap.add_argument("--models", default="flux,sd3",
+                    help=f"from {','.join(FAMILIES + tuple(dit_calls.SHAPES))}")
+    ap.add_argument("--call-sizes", default="1024,2048",
+                    help="px of the one-call families' images (dit_calls)")
+    ap.add_argument("--call-video-sizes", default="832x480x33,832x480x81",
+                    help="WxHxF of the one-call families' videos (dit_calls)")
     ap.add_argument("--sizes", default="512,768,1024,2048",
                     help="image families' px (square), comma-separated")
     ap.add_argument("--video-sizes", default="832x480x33",
@@ -494,7 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     diffusers_logging.set_verbosity_error()  # its dtype advice is not for random-weight models
     say(f"DiT bench on {machine(device)}; {why}; {args.clock} clock")
     rows: list[dict[str, Any]] = []
+    call_rows: list[dict[str, Any]] = []
+    call_images = [Size.parse(v) for v in ("256" if args.quick else args.call_sizes).split(",")]
+    call_videos = [Size.parse(v) for v in
+                   ("64x48x5" if args.quick else args.call_video_sizes).split(",")]
     for family in args.models.split(","):
+        if family in dit_calls.SHAPES:
+            for size in (call_images if family in dit_calls.IMAGE_CALLS else []) \
+                    + (call_videos if family in dit_calls.VIDEO_CALLS else []):
+                row = dit_calls.run(family, size, rounds, dtype, device, args.quick,
+                                    timing.synchronize)
+                call_rows.append(row)
+                say(f"{family} {size.label}, one self-attention call ({row['sequence']} "
+                    f"tokens): unpooled {row['call_ms']['none']:.1f} ms, " + ", ".join(
+                        f"{v} {x:.2f}x" for v, x in row["speedup"].items() if v != "none"))
+            continue
         n = parameters(family, blocks[family], args.quick, wide)
         ok, free = fits(n * 4 * 2, device)  # built in fp32, then cast: both alive at once
         if not ok:
@@ -556,8 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "dit_bench.json").write_text(json.dumps(
         {"machine": machine(device), "dtype": name, "dtype_reason": why,
          "blocks": {f: list(b) for f, b in blocks.items()}, "wan_width": args.wan_width,
-         "break_even": even, "rows": rows}, indent=1))
-    text = table(rows) + "\n\n" + memory_table(rows)
+         "break_even": even, "rows": rows, "call_rows": call_rows}, indent=1))
+    text = "\n\n".join(t for t in (table(rows) + "\n\n" + memory_table(rows) if rows else "",
+                                    dit_calls.table(call_rows) if call_rows else "") if t)
     (out / "dit_bench.md").write_text(text + "\n")
     print(text)
     return 0
