@@ -347,6 +347,76 @@ def test_qwen_keeps_reference_images_and_the_text_mask(qwen, monkeypatch):
         tome.remove_patch(qwen)
 
 
+def _qwen_rotate(x, freqs):
+    """Qwen-Image's complex RoPE by hand: each interleaved pair turned by its frequency's
+    angle (``freqs`` complex [S, D/2])."""
+    c, s = (p.repeat_interleave(2, -1)[None, :, None] for p in (freqs.real, freqs.imag))
+    return _wan_rotate(x, c.double(), s.double())
+
+
+@pytest.mark.parametrize("rope,proportional,f", [("pooled", True, 3), ("before", True, 2),
+                                                 ("pooled", False, 2)])
+def test_qwen_pooled_call_matches_a_hand_written_reference(qwen, rope, proportional, f):
+    """One pooled Qwen-Image attention call (the library's maths behind the processor
+    wrapper) against the maths written out: projections and RMS norms, text and image rotated
+    apart, the generated image's keys/values averaged per f x f cell by loops (partial bottom
+    cells with f = 3; the positions: the cells' normalised mean rotations, or keys rotated
+    before), an edit's reference image after it whole, [text, image, reference], the
+    log(cell size) bias on the cells only, the text mask (one prompt two tokens shorter),
+    einsum softmax. The reference with the bias negated is far from the output."""
+    model = copy.deepcopy(qwen)
+    attn = model.transformer_blocks[0].attn
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        torch.nn.init.ones_(norm.weight)  # unit RMS queries and keys: scores of order 1
+    g = torch.Generator().manual_seed(6)
+    image, ref_tokens = H * W, 4 * 6
+    hs = torch.randn(2, image + ref_tokens, 32, generator=g)
+    ehs = torch.randn(2, T, 32, generator=g)
+    keep = torch.tensor([[True] * T, [True] * (T - 2) + [False] * 2])
+    img, txt = model.pos_embed([[(1, H, W), (1, 4, 6)]] * 2, max_txt_seq_len=T)
+    plan = dit.DitPlan(H, W, f, rope, proportional)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+
+    def reference(sign=1.0):
+        def heads(x):
+            return x.reshape(2, x.shape[1], attn.heads, 16)
+        q, k, v = heads(attn.to_q(hs)), heads(attn.to_k(hs)), heads(attn.to_v(hs))
+        eq, ek, ev = (heads(p(ehs)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        q, k, eq, ek = (attn.norm_q(q), attn.norm_k(k), attn.norm_added_q(eq),
+                        attn.norm_added_k(ek))
+        q, eq, ek = _qwen_rotate(q, img), _qwen_rotate(eq, txt), _qwen_rotate(ek, txt)
+        if rope == "before":
+            k = _qwen_rotate(k, img)
+        kp = heads(_pool_frames(k[:, :image].flatten(2), H, W, f))
+        vp = heads(_pool_frames(v[:, :image].flatten(2), H, W, f))
+        kr = k[:, image:] if rope == "before" else _qwen_rotate(k[:, image:], img[image:])
+        if rope == "pooled":
+            pc, ps = (_pool_frames(p[None, :image].float(), H, W, f)[0].double()
+                      for p in (img.real, img.imag))
+            r = torch.sqrt(pc ** 2 + ps ** 2)
+            kp = _qwen_rotate(kp, torch.complex(pc / r, ps / r))
+        keys, values = torch.cat([ek, kp, kr], 1), torch.cat([ev, vp, v[:, image:]], 1)
+        scores = torch.einsum("bqhd,bkhd->bhqk", torch.cat([eq, q], 1), keys) / 4.0
+        counts = torch.tensor([min(f, H - i) * min(f, W - j) for i in range(0, H, f)
+                               for j in range(0, W, f)], dtype=torch.float)
+        cells = counts.log() * sign * proportional
+        text = torch.zeros(2, T).masked_fill(~keep, float("-inf"))
+        bias = torch.cat([text, cells.expand(2, -1), torch.zeros(2, ref_tokens)], 1)
+        out = torch.einsum("bhqk,bkhd->bqhd", (scores + bias[:, None, None]).softmax(-1),
+                           values).flatten(2)
+        return attn.to_out[1](attn.to_out[0](out[:, T:])), attn.to_add_out(out[:, :T])
+
+    with torch.no_grad():
+        out, ctx = wrapper(attn, hs, encoder_hidden_states=ehs,
+                           encoder_hidden_states_mask=keep.long(), image_rotary_emb=(img, txt))
+        ref, ref_ctx = reference()
+        assert plan.pooled == math.ceil(H / f) * math.ceil(W / f)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(ctx, ref_ctx, atol=2e-5, rtol=1e-4)
+        if proportional:
+            assert (out - reference(sign=-1.0)[0]).abs().max() > 1e-3
+
+
 def test_qwen_auto_policy_measures_its_blocks(qwen, tmp_path):
     service = Measurer(MeasurementCache(tmp_path / "m.json", say=print), say=print,
                        clock=fake_clock(1.01), rounds=3)
@@ -413,6 +483,91 @@ def test_hunyuan_video_pools_the_video_keeps_text_and_condition(condition, kept,
     finally:
         tome.remove_patch(model)
     assert torch.equal(run(model, inputs), ref)
+
+
+def _hunyuan_reference(attn, hs, ehs, keep, cos, sin, f, rope, proportional, sign=1.0,
+                       per_video=False):
+    """HunyuanVideo's attention written out with the video keys/values pooled: projections
+    and RMS norms per head, [video, text] (a single-stream block projects them together), RoPE
+    on the video queries, each frame's keys and values averaged per f x f cell by loops
+    (``_pool_frames``; ``per_video``: the frames stacked into one tall grid, cells crossing
+    frames), the pooled keys rotated before (``rope="before"``) or by their cells' normalised
+    mean rotation, ``sign * log(cell size)`` on the cells' scores, the text mask ``keep``
+    ([B, text], False: -inf) on the text keys, an einsum softmax, the output projections."""
+    b, n, t = hs.shape[0], hs.shape[1], ehs.shape[1]
+
+    def heads(x):
+        return x.reshape(b, x.shape[1], attn.heads, -1)
+    single = attn.add_q_proj is None
+    x = torch.cat([hs, ehs], 1) if single else hs
+    q, k, v = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    if single:
+        (q, eq), (k, ek), (v, ev) = (y.split([n, t], 1) for y in (q, k, v))
+    else:
+        eq, ek, ev = (heads(p(ehs)) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+    c, s = cos[None, :, None], sin[None, :, None]
+    q = torch.cat([_wan_rotate(q, c, s), eq], 1)
+    if rope == "before":
+        k = _wan_rotate(k, c, s)
+    h, frames = (F_ * H, 1) if per_video else (H, F_)
+    kp = heads(_pool_frames(k.flatten(2), h, W, f))
+    vp = heads(_pool_frames(v.flatten(2), h, W, f))
+    if rope == "pooled":
+        pc, ps = (_pool_frames(e[None].float(), h, W, f)[0].double() for e in (cos, sin))
+        r = torch.sqrt(pc ** 2 + ps ** 2)
+        kp = _wan_rotate(kp, (pc / r)[None, :, None], (ps / r)[None, :, None])
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, torch.cat([kp, ek], 1)) / math.sqrt(q.shape[-1])
+    counts = [min(f, h - i) * min(f, W - j) for i in range(0, h, f) for j in range(0, W, f)]
+    cells = torch.tensor(counts * frames, dtype=torch.float).log() * sign * proportional
+    text = torch.zeros(b, t).masked_fill(~keep, float("-inf"))
+    scores = scores + torch.cat([cells.expand(b, -1), text], 1)[:, None, None]
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), torch.cat([vp, ev], 1)).flatten(2)
+    out, ctx = out[:, :n], out[:, n:]
+    if attn.to_out is not None:
+        out = attn.to_out[1](attn.to_out[0](out))
+    if getattr(attn, "to_add_out", None) is not None:
+        ctx = attn.to_add_out(ctx)
+    return out, ctx
+
+
+@pytest.mark.parametrize("block", ["double", "single"])
+@pytest.mark.parametrize("rope,proportional,f", [("pooled", True, 3), ("before", True, 2),
+                                                 ("pooled", False, 2)])
+def test_hunyuan_video_pooled_call_matches_a_hand_written_per_frame_reference(
+        block, rope, proportional, f):
+    """One pooled HunyuanVideo attention call (the library's maths behind the processor
+    wrapper) in a double-stream and a single-stream block against ``_hunyuan_reference``:
+    the video's keys/values pooled per cell within each frame (partial bottom cells with
+    f = 3), the log(cell size) bias, the text keys whole with their mask (one prompt two
+    tokens shorter). The reference with the bias negated, or pooled per video (cells across
+    frames), is far from the output: the comparison can fail."""
+    model = _hunyuan()
+    attn = (model.transformer_blocks if block == "double" else
+            model.single_transformer_blocks)[0].attn
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        if norm is not None:  # unit RMS queries and keys: scores of order 1, not ~0.003
+            torch.nn.init.ones_(norm.weight)
+    g = torch.Generator().manual_seed(5)
+    n, t = F_ * H * W, 6
+    hs, ehs = torch.randn(2, n, 24, generator=g), torch.randn(2, t, 24, generator=g)
+    keep = torch.tensor([[True] * t, [True] * (t - 2) + [False] * 2])
+    mask = torch.cat([torch.ones(2, n, dtype=torch.bool), keep], 1)[:, None, None]
+    cos, sin = model.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
+    assert cos.shape[0] == n
+    plan = dit.DitPlan(H, W, f, rope, proportional, F_)
+    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, 0))
+    with torch.no_grad():
+        out, ctx = wrapper(attn, hs, ehs, mask, (cos, sin))
+        args = (attn, hs, ehs, keep, cos, sin, f, rope, proportional)
+        ref, ref_ctx = _hunyuan_reference(*args)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(ctx, ref_ctx, atol=2e-5, rtol=1e-4)
+        wrong = [_hunyuan_reference(*args, per_video=True)] if f == 3 else []
+        wrong += [_hunyuan_reference(*args, sign=-1.0)] if proportional else []
+        for bad, _ in wrong:
+            assert (out - bad).abs().max() > 1e-3
 
 
 def test_wan_pooling_adds_few_ops_and_no_host_sync(wan):
