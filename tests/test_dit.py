@@ -536,6 +536,64 @@ def test_a1111_sd3_mmdit_pools_through_pre_attention_and_removal_is_exact(monkey
     tome.remove_patch(model)
 
 
+def _mmdit_reference(model, x, t, ctx, f, sign=1.0):
+    """The stand-in MMDiT's forward written out with each joint block's image keys/values
+    pooled: the host's own pre-/post-attention (the class methods, past any shadow), the
+    image keys and values averaged per f x f cell by loops (``_reference_pool``; partial edge
+    cells), ``sign * log(cell size)`` on the cells' scores, text keys whole with 0, an einsum
+    softmax over [text, image cells]."""
+    import mmdit_stub
+    b, _, hh, ww = x.shape
+    h, w = hh // model.patch, ww // model.patch
+    tokens = model.x_embedder(x)
+    c = model.t_embedder(t.float()[:, None] / 1000)
+    context = model.context_embedder(ctx)
+    counts = torch.tensor([min(f, h - i) * min(f, w - j) for i in range(0, h, f)
+                           for j in range(0, w, f)], dtype=torch.float)
+    for block in model.joint_blocks:
+        cb, xb = block.context_block, block.x_block
+        (cq, ck, cv), c_res = mmdit_stub.DismantledBlock.pre_attention(cb, context, c)
+        (xq, xk, xv), x_res = mmdit_stub.DismantledBlock.pre_attention(xb, tokens, c)
+        xk, xv = _reference_pool(xk, 0, h, w, f), _reference_pool(xv, 0, h, w, f)
+        heads = xb.attn.num_heads
+
+        def split(y, heads=heads):
+            return y.unflatten(-1, (heads, -1))
+        q, k, v = (split(torch.cat(p, 1)) for p in ((cq, xq), (ck, xk), (cv, xv)))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        bias = torch.cat([torch.zeros(ck.shape[1]), counts.log() * sign])
+        out = torch.einsum("bhqk,bkhd->bqhd", (scores + bias).softmax(-1), v).flatten(2)
+        n = context.shape[1]
+        context = c_res + mmdit_stub.SelfAttention.post_attention(cb.attn, out[:, :n])
+        tokens = x_res + mmdit_stub.SelfAttention.post_attention(xb.attn, out[:, n:])
+    out = model.final_layer(tokens).view(b, h, w, model.channels, model.patch, model.patch)
+    return out.permute(0, 3, 1, 4, 2, 5).reshape(b, model.channels, hh, ww)
+
+
+@pytest.mark.parametrize("f", [2, 3])
+def test_a1111_sd3_pooled_forward_matches_a_hand_written_reference(f):
+    """A1111's SD3 through the pre-/post-attention shadows (the bias on an extra channel:
+    its kernel takes no mask) against the forward written out (``_mmdit_reference``) on a
+    9x11 token grid (partial edge cells); the reference with the bias negated is far from
+    it."""
+    import mmdit_stub
+    torch.manual_seed(0)
+    model = mmdit_stub.MMDiT().eval()
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 4, 18, 22, generator=g), torch.randn(2, 7, 12, generator=g)
+    t = torch.full((2,), 600.0)
+    tome.apply_patch(model, method="downsample", downsample_factor=f, proportional=True,
+                     policy="fixed")
+    try:
+        with torch.no_grad():
+            out = model(x, t, context=ctx)
+            ref = _mmdit_reference(model, x, t, ctx, f)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+            assert (out - _mmdit_reference(model, x, t, ctx, f, sign=-1.0)).abs().max() > 1e-3
+    finally:
+        tome.remove_patch(model)
+
+
 def test_a1111_sd3_auto_policy_measures_its_blocks(tmp_path):
     import mmdit_stub
     model = mmdit_stub.MMDiT().eval()
