@@ -131,6 +131,7 @@ class Reuse:
         self.seen: dict[tuple, int] = {}    # (rows, host identity) -> calls at this noise level
         self.step, self.last, self.grid = -1, None, None
         self.who: tuple | None = None       # this call's identity; None: no reuse in this call
+        self.before: int | None = None      # its last refresh before this call (``missed``)
         self.active = self.refresh = False
         self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
 
@@ -158,11 +159,14 @@ class Reuse:
         return sum(t.nbytes for kept in self.kept.values() for t in kept[:2] if t is not None)
 
     def begin(self, p: float, rows: int, grid: tuple[int, ...], who: Any = None,
-              device: Any = None) -> None:
+              device: Any = None, step: int | None = None) -> None:
         """One model call at sampling progress ``p`` (0 at the first step) with ``rows`` batch
         rows on latent ``grid`` (frames, h, w); ``who``: the host's identity of the call
         (e.g. ComfyUI's cond_or_uncond), where it gives one; ``device``: the call's (the
-        step is filled there, a kernel argument: no copy from the host, no sync)."""
+        step is filled there, a kernel argument: no copy from the host, no sync); ``step``:
+        the sampler's own step number, where the host tells it (ComfyUI: the sigma's place
+        in its schedule), so steps a cache answered without calling the model still count;
+        else the noise levels seen are counted."""
         self.who, self.active = None, False
         if not self.every or self.keep.blocks == 0:
             return
@@ -170,18 +174,28 @@ class Reuse:
             self.reset()  # another image, or progress went back: another generation
             self.grid = grid
         if p != self.last:
-            self.step, self.last, self.seen = self.step + 1, p, {}
+            self.step = self.step + 1 if step is None else step
+            self.last, self.seen = p, {}
             self.now = torch.full((), float(self.step), device=device)
         ident = (rows, who)
         n = self.seen[ident] = self.seen.get(ident, -1) + 1
         who = self.who = (rows, who, n)
-        at = self.at.get(who)
+        at = self.before = self.at.get(who)
         self.refresh = at is None or self.step - at >= self.every
         if self.refresh:
             self.at[who] = self.step
         for part in self.parts:
             part.reuse_cur = part.reuse_kept.setdefault(who, {})
         self.active = True
+
+    def missed(self) -> None:
+        """This call was to refresh but ran no pooled attention (a cache answered it inside
+        the model): its refresh is left to the identity's next call."""
+        if self.refresh and self.who is not None:
+            if self.before is None:
+                self.at.pop(self.who, None)
+            else:
+                self.at[self.who] = self.before
 
     # ---------------------------------------------------------------- in the block
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import dit, percall
+from . import dit, merge, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .layout import Layout
@@ -60,6 +60,12 @@ class KvPool:
         self.skipped: list[tuple[Any, str]] = [] if skipped is None else skipped
         self.tally = Counter() if tally is None else tally  # ``percall_calls.count``
         self.plans: dict[tuple, dit.DitPlan] = {}  # eager: one per grid and factor
+        # The host's ``leave(prev, args, kwargs)``: the name of a chained override that takes
+        # this call only with its full keys (ComfyUI's block-sparse attention), else None;
+        # ``say`` tells once per name that its calls are left to it.
+        self.leave: Callable[[Any, tuple, dict], str | None] | None = None
+        self.say: Callable[[str], Any] | None = None
+        self.told: set[str] = set()
 
     def __deepcopy__(self, memo: dict) -> KvPool:
         return self
@@ -91,6 +97,15 @@ class KvPool:
             percall.note(self.skipped, block, percall.MASK)
             calls.count(self.tally, calls.MASKED)
             return None
+        if prev is not None and self.leave is not None:
+            name = self.leave(prev, args, kwargs)
+            if name:  # it declines pooled keys: its calls go to it whole
+                calls.count(self.tally, calls.LEFT)
+                if name not in self.told and self.say is not None and not merge.compiling():
+                    self.told.add(name)
+                    self.say(f"ToMe: attention calls that {name} takes are left to it "
+                             "unpooled (it declines pooled keys); the others are pooled")
+                return None
         self.flags["pooled"] = True
         calls.count(self.tally, calls.POOLED)
 
@@ -133,6 +148,45 @@ class OverridePatch(percall.Core):
         super().__init__(config, layout, spans_of, percent_to_sigma, reuses=reuses)
         self.pool = KvPool(self.skipped, self.tally)
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
+        self.sigmas: tuple[Any, list[float]] = (None, [])  # the sampler's sigmas, read once
+        self.steps: dict[int, list[int]] = {}  # this sampling: step -> [model calls, reaching us]
+
+    def _tell_chained(self, prev: Any) -> None:
+        """One line per other override chained (another node's, before or after ours)."""
+        name = f"{getattr(prev, '__module__', None) or '?'}." \
+               f"{getattr(prev, '__qualname__', type(prev).__name__)}"
+        if name not in self.pool.told and self.pool.say is not None:
+            self.pool.told.add(name)
+            self.pool.say(f"ToMe: another attention override is installed ({name}); ToMe "
+                          "calls it with the pooled keys and values")
+
+    def run_start(self, *_: Any) -> None:
+        """A sampling run starts (ComfyUI's ``on_pre_run``): reuse reset, steps counted anew."""
+        self.reset()
+        self.steps.clear()
+
+    def step_of(self, options: dict) -> int | None:
+        """The sampler's step of this call: how many of its sigmas (``sample_sigmas``, read
+        on the host once per sampling) lie above the call's; None without them."""
+        schedule, sigmas = options.get("sample_sigmas"), options.get("sigmas")
+        if not isinstance(schedule, torch.Tensor) or not isinstance(sigmas, torch.Tensor) \
+                or not sigmas.numel():
+            return None
+        if self.sigmas[0] is not schedule:
+            self.sigmas = (schedule, [float(s) for s in schedule.reshape(-1)])
+        sigma = float(sigmas.reshape(-1)[0])
+        return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
+
+    def cached(self) -> tuple[int, int, int, int] | None:
+        """This sampling's steps that a cache answered without our attention: (steps, not
+        reaching the model, reaching it but not its attention, those steps' model calls), or
+        None where the sampler's schedule was not seen or no step reached the attention."""
+        steps = len(self.sigmas[1]) - 1
+        if steps < 1 or not any(fired for _, fired in self.steps.values()):
+            return None
+        before = sum(i not in self.steps for i in range(steps))
+        inside = [calls for calls, fired in self.steps.values() if not fired]
+        return steps, before, len(inside), sum(inside)
 
     def wrapper(self, executor: Callable, *args: Any, **kwargs: Any) -> Any:
         """ComfyUI's ``apply_model`` wrapper: ``(executor, x, t, c_concat, c_crossattn,
@@ -150,12 +204,15 @@ class OverridePatch(percall.Core):
         context = args[3] if len(args) > 3 else kwargs.get("c_crossattn")
         spans = self.spans_of(self.layout.root, x, context, kwargs)
         who = options.get("cond_or_uncond")
+        step = self.step_of(options)
         state = None if spans is None else self.begin(
             spans, options.get("sigmas"), x.device, x.shape[0],
-            tuple(who) if isinstance(who, (list, tuple)) else None, x)
+            tuple(who) if isinstance(who, (list, tuple)) else None, x, step)
         prev = options.get(OVERRIDE)
         if prev is self.pool:
             prev = None
+        elif prev is not None:
+            self._tell_chained(prev)
         new = {**options, OVERRIDE: self.pool}
         if spans is not None:
             new[SPANS_KEY] = spans
@@ -164,7 +221,12 @@ class OverridePatch(percall.Core):
         else:
             kwargs["transformer_options"] = new
         with self.running(self.pool, spans, state, prev):
-            return executor(*args, **kwargs)
+            out = executor(*args, **kwargs)
+        if step is not None:
+            seen = self.steps.setdefault(step, [0, 0])
+            seen[0] += 1
+            seen[1] += bool(self.pool.flags.get("fired"))
+        return out
 
 
 def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Callable,
@@ -183,7 +245,7 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     clone = unet_patcher.clone()
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ours.wrapper)
     if reuses:
-        clone.add_callback_with_key(PRE_RUN, WRAPPER_KEY, ours.reset)
+        clone.add_callback_with_key(PRE_RUN, WRAPPER_KEY, ours.run_start)
         clone.add_callback_with_key(CLEANUP, WRAPPER_KEY, ours.reset)
     setattr(clone, MARK, ours)
     return clone, report

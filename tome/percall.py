@@ -334,12 +334,13 @@ class Core:
         return report
 
     def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int, who: Any = None,
-              x: torch.Tensor | None = None) -> CallState | None:
+              x: torch.Tensor | None = None, step: int | None = None) -> CallState | None:
         """This call's state, or None where it pools nothing (outside the step window, the
         policy, no block pooled at this step). Reads the sigma on the host once, only where a
         window, a per-step schedule or residual reuse needs it (``Planner.begin``); steps are
         told apart by it. ``who``: the host's identity of the call (ComfyUI's
-        ``cond_or_uncond``); ``x``: its latent (what the memory budget reads)."""
+        ``cond_or_uncond``); ``x``: its latent (what the memory budget reads); ``step``: the
+        sampler's step number where the host tells it (``attend.Reuse.begin``)."""
         p = self.layout.dit.patch
         size = (spans.frames, spans.h * p, spans.w * p)
         call = self.planner.begin(size, device, sigmas, batch)
@@ -354,7 +355,8 @@ class Core:
             progress = self.planner.window.progress(float(sigmas.reshape(-1)[0]))
         reuse = None
         if self.reuse is not None and progress is not None:
-            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device)
+            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device,
+                             step)
             if x is not None:  # what reuse will keep, checked before it keeps it
                 schedule = self.budget.begin(x, size, spans.text + spans.before + spans.after,
                                              progress)
@@ -388,6 +390,8 @@ class Core:
             self.placed += spans is not None
             self.active += state is not None
             self.pooled += bool(owner.flags.get("pooled"))
+            if state is not None and state.reuse is not None and not owner.flags.get("pooled"):
+                state.reuse.missed()  # a cache answered it inside the model: refresh next
             if owner.flags.get("fired"):
                 self.fired += 1
                 self.compiled += self.tally.total() == seen  # replayed by a compiled graph

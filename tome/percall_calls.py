@@ -30,8 +30,10 @@ from .merge import compiling
 
 # What an attention call did (``Tally`` keys), in the order the line names them.
 POOLED, CROSS, MASKED, X1, OUTSIDE = "pooled", "cross", "masked", "x1", "outside"
+LEFT = "left"  # to a chained override that declines pooled keys (``KvPool.leave``)
 NAMES = {CROSS: "cross-attention or other lengths", MASKED: "masked",
-         X1: "blocks at x1", OUTSIDE: "outside the window"}
+         X1: "blocks at x1", OUTSIDE: "outside the window",
+         LEFT: "left whole to the chained sparse attention"}
 
 
 def key_start(spans: Any, queries: int, keys: int, whole: bool = False) -> int | None:
@@ -75,10 +77,12 @@ def count(tally: Counter, what: str) -> None:
         tally[what] += 1
 
 
-def line(now: tuple, since: tuple) -> str | None:
+def line(now: tuple, since: tuple, cached: tuple | None = None) -> str | None:
     """The console line after a sampling: ``now`` and ``since`` are ``Core.tallies()`` at its
-    end and start. None where no attention call was counted and none pooled (the
-    ``not_pooled`` line says why then)."""
+    end and start; ``cached``: the sampler's steps a cache answered (``OverridePatch.cached``:
+    steps, not reaching the model, reaching it but not its attention, their model calls).
+    None where no attention call was counted and none pooled (the ``not_pooled`` line says
+    why then)."""
     tally = now[0] - since[0]
     compiled, outside, silent = (a - b for a, b in zip(now[1:], since[1:]))
     total = sum(tally.values())
@@ -87,8 +91,15 @@ def line(now: tuple, since: tuple) -> str | None:
     rest = [f"{NAMES[key]} {tally[key]}" for key in NAMES if tally[key]]
     if outside:
         rest.append(f"model calls outside the window {outside}")
-    if silent:
+    steps, before, inside, calls = cached or (0, 0, 0, 0)
+    silent -= calls
+    if silent > 0:
         rest.append(f"model calls not reaching it {silent}")
+    if before or inside:
+        where = [f"{n} {w}" for n, w in ((before, "before the model call"),
+                                         (inside, "inside the model")) if n]
+        rest.append(f"steps skipped by a cache {before + inside} of {steps} "
+                    f"({', '.join(where)})")
     if compiled:
         rest.append(f"model calls inside a compiled graph {compiled} (their attention calls "
                     "not counted)")

@@ -7,12 +7,15 @@ inside a function, so the layer imports (and its tests run) without ComfyUI.
   under ComfyUI's user directory (``<user>/tome/measurements.json``);
 - ``progress``: ComfyUI's progress bar while measuring;
 - ``load_for_sampling``: the model on its sampling device before the measure node times it;
-- ``attention_override``: whether this ComfyUI has the attention override DiTs are pooled by.
+- ``attention_override``: whether this ComfyUI has the attention override DiTs are pooled by;
+- ``leaves``: the calls a chained override takes only unpooled (ComfyUI's block-sparse
+  attention), recognised by its override object and decided by its own code.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,44 @@ def load_for_sampling(model_patcher: Any) -> Any:
     except Exception:  # noqa: BLE001 (not loaded: measuring says so in its line)
         return None
     return getattr(model_patcher, "load_device", None)
+
+
+SPARSE = "ComfyUI's block-sparse attention"
+SPARSE_MODULE = "nodes_sparse_attention"  # comfy_extras' module of the BlockSparseAttention node
+
+
+def sparse_patch(override: Any) -> Any:
+    """The settings object of ComfyUI's block-sparse attention where ``override`` is its
+    override (a closure of its module holding ``patch``, which has ``dense_reason``), else
+    None."""
+    if getattr(override, "__module__", "").rpartition(".")[2] != SPARSE_MODULE:
+        return None
+    code, cells = getattr(override, "__code__", None), getattr(override, "__closure__", None)
+    if code is None or not cells:
+        return None
+    patch = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("patch")
+    return patch if callable(getattr(patch, "dense_reason", None)) else None
+
+
+def leaves(override: Any, args: tuple, kwargs: dict) -> str | None:
+    """``SPARSE`` where ``override`` (chained under ours) is ComfyUI's block-sparse attention
+    and would run its sparse kernel on this call's full tensors (no mask, not VSA, its own
+    ``dense_reason`` and ``_ineligible`` say yes): pooled keys make it decline (``q.shape !=
+    k.shape``), so the call is left to it whole; else None (pooled as usual)."""
+    patch = sparse_patch(override)
+    ineligible = getattr(sys.modules.get(override.__module__), "_ineligible", None) \
+        if patch is not None else None
+    if ineligible is None or getattr(patch, "vsa", False) or len(args) < 3:
+        return None
+    q, k, v = args[:3]
+    heads = args[3] if len(args) > 3 else kwargs.get("heads")
+    if (args[4] if len(args) > 4 else kwargs.get("mask")) is not None or not heads:
+        return None
+    options = kwargs.get("transformer_options") or {}
+    if kwargs.get("skip_reshape"):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    else:
+        qs, ks, vs = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    if patch.dense_reason(options, qs.shape[1], options.get("block_index")) is not None:
+        return None
+    return SPARSE if ineligible(qs, ks, vs, qs.shape[-1]) is None else None

@@ -125,7 +125,8 @@ class AfterSampling:
         tallies = mark.tallies() if counted else None
         out = executor(*args, **kwargs)
         if counted:
-            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies)
+            cached = mark.cached() if isinstance(mark, override.OverridePatch) else None
+            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies, cached)
         elif mark.calls == since and not self.guard.silent_told:
             self.guard.silent_told = True  # the guard tells it at a call where it runs
             line = mark.SILENT
@@ -184,6 +185,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         guard.window = report.planner.window
     if report.adapter == override.ADAPTER:  # its apply_model wrapper, outside a compiled model
         mark.on_call = guard.tell_window
+        mark.pool.leave, mark.pool.say = host.leaves, say  # other overrides: chained, said
     elif hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
     if mark is not None and hasattr(clone, "add_wrapper_with_key"):

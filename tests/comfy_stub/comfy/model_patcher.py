@@ -5,7 +5,7 @@ deep-copied (patch functions in it too: bound methods are deep-copied with their
 unless it says otherwise), wrappers and callbacks copied per key; no other attribute is
 carried over. ``pre_run``/``cleanup`` call the ``on_pre_run``/``on_cleanup`` callbacks with
 the patcher (``CFGGuider.outer_sample`` calls them around a sampling, ``cleanup`` in
-``finally``).
+``finally``); ``prepare_state`` calls the ``on_prepare_state`` callbacks each step.
 """
 
 import copy
@@ -56,6 +56,13 @@ class ModelPatcher:
     def cleanup(self):
         for callback in self.get_all_callbacks("on_cleanup"):
             callback(self)
+
+    def prepare_state(self, timestep, model_options=None):
+        """Each step, in ``calc_cond_batch`` before the model calls: the ``on_prepare_state``
+        callbacks, called ``(patcher, timestep, model_options)`` as current ComfyUI does
+        (0.8.0 passes ``(patcher, timestep)``; no callback of 0.8.0's core uses it)."""
+        for callback in self.get_all_callbacks("on_prepare_state"):
+            callback(self, timestep, model_options)
 
     def set_model_patch(self, patch, name):
         to = self.model_options["transformer_options"]

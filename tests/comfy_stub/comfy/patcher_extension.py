@@ -11,10 +11,13 @@ class CallbacksMP:
     ON_CLONE = "on_clone"
     ON_CLEANUP = "on_cleanup"
     ON_PRE_RUN = "on_pre_run"
+    ON_PREPARE_STATE = "on_prepare_state"
 
 
 class WrappersMP:
     OUTER_SAMPLE = "outer_sample"
+    PREDICT_NOISE = "predict_noise"
+    CALC_COND_BATCH = "calc_cond_batch"
     APPLY_MODEL = "apply_model"
     DIFFUSION_MODEL = "diffusion_model"
 

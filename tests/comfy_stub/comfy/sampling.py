@@ -183,20 +183,27 @@ class DiTModel(torch.nn.Module):
 
 def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
     """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
-    ComfyUI 0.8.0 makes it: the patcher's wrappers merged into the sampling options'
-    ``transformer_options["wrappers"]`` and ``sample_sigmas`` set once; the whole sampling
-    (``CFGGuider.outer_sample``) run inside the ``outer_sample`` wrappers, called as
-    ``fn(executor, noise, latent_image, sampler, sigmas, denoise_mask, callback,
-    disable_pbar, seed, latent_shapes=...)`` with ``executor.class_obj`` the guider (its
-    ``model_patcher`` and ``model_options``); per step a fresh ``transformer_options`` (the
-    options' nested dicts copied, their other values shared) with ``cond_or_uncond`` and
-    ``sigmas`` (this step's sigma per image), then ``model.apply_model(x, sigma,
-    c_crossattn=context, transformer_options=..., **conds)``; the patcher's ``pre_run``
-    before the steps and ``cleanup`` after them, also on an error (inside the
-    ``outer_sample`` wrappers, as ``CFGGuider.outer_sample``). ``cfg`` above 1: two calls
-    per step, cond then uncond (``cond_or_uncond`` [0] and [1]; ``uncond`` the second
-    context), mixed. The latent starts as ``sigmas[0] * noise`` (an empty latent). Returns
-    the final latent."""
+    ComfyUI 0.8.0 makes it (``CFGGuider``): the whole sampling (``outer_sample``) run inside
+    the ``outer_sample`` wrappers, called as ``fn(executor, noise, latent_image, sampler,
+    sigmas, denoise_mask, callback, disable_pbar, seed, latent_shapes=...)`` with
+    ``executor.class_obj`` the guider (its ``model_patcher`` and ``model_options``: a copy
+    of the patcher's with its wrappers merged into ``transformer_options["wrappers"]``; a
+    wrapper may put another copy in its place, as EasyCache's does); inside, the patcher's
+    ``pre_run``, then the sampling's options (a copy of the guider's as it is then, with
+    ``sample_sigmas``), the steps, and ``cleanup`` (also on an error). Per step the
+    guider's ``predict_noise(x, sigma, model_options, seed)`` inside the ``predict_noise``
+    wrappers (LazyCache's), which runs ``calc_cond_batch(model, conds, x, sigma,
+    model_options)`` inside the ``calc_cond_batch`` wrappers (EasyCache's): the patcher's
+    ``prepare_state(sigma, model_options)`` (its ``on_prepare_state`` callbacks, called
+    ``(patcher, sigma, model_options)`` as current ComfyUI does: BlockSparseAttention
+    re-installs its override there), then per condition a fresh ``transformer_options``
+    (the options' nested dicts copied, their other values shared) with ``cond_or_uncond``,
+    ``uuids`` (one per condition) and ``sigmas`` (this step's sigma per image), and
+    ``model.apply_model(x, sigma, c_crossattn=context, transformer_options=..., **conds)``.
+    ``cfg`` above 1: two calls per step, cond then uncond (``cond_or_uncond`` [0] and [1];
+    ``uncond`` the second context), mixed. The latent starts as ``sigmas[0] * noise`` (an
+    empty latent). Returns the final latent."""
+    import uuid as _uuid
     from types import SimpleNamespace
 
     from comfy.patcher_extension import (
@@ -209,30 +216,49 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
     options = copy_nested_dicts(patcher.model_options)
     to = options.setdefault("transformer_options", {})
     merge_nested_dicts(to.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    to["sample_sigmas"] = sigmas
     model = patcher.model
+    uuids = [_uuid.UUID(int=i + 1) for i in range(2)]
+    guider = SimpleNamespace(model_patcher=patcher, model_options=options)
+
+    def calc_cond_batch(model, contexts, x, sigma, model_options):
+        patcher.prepare_state(sigma, model_options)
+        outs = []
+        for which, ctx in enumerate(contexts):
+            call = merge_nested_dicts({}, model_options["transformer_options"],
+                                      copy_dict1=False)
+            call["cond_or_uncond"] = [which] * x.shape[0]
+            call["uuids"] = [uuids[which]]
+            call["sigmas"] = sigma
+            outs.append(model.apply_model(x, sigma, c_crossattn=ctx,
+                                          transformer_options=call, **conds))
+        return outs
+
+    def predict_noise(x, sigma, model_options, seed=None):
+        contexts = [context] if cfg == 1.0 else [context, uncond]
+        outs = WrapperExecutor.new_executor(
+            calc_cond_batch, get_all_wrappers(WrappersMP.CALC_COND_BATCH, model_options,
+                                              is_model_options=True)
+        ).execute(model, contexts, x, sigma, model_options)
+        return outs[0] if cfg == 1.0 else outs[1] + cfg * (outs[0] - outs[1])
 
     def outer_sample(noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None,
                      disable_pbar=False, seed=None, latent_shapes=None):
         x = noise * sigmas[0] + latent_image
         patcher.pre_run()
         try:
+            sampling = copy_nested_dicts(guider.model_options)
+            sampling["transformer_options"]["sample_sigmas"] = sigmas
             for i in range(len(sigmas) - 1):
                 sigma = sigmas[i].expand(x.shape[0])
-                outs = []
-                for which, ctx in enumerate([context] if cfg == 1.0 else [context, uncond]):
-                    call = merge_nested_dicts({}, to, copy_dict1=False)
-                    call["cond_or_uncond"] = [which] * x.shape[0]
-                    call["sigmas"] = sigma
-                    outs.append(model.apply_model(x, sigma, c_crossattn=ctx,
-                                                  transformer_options=call, **conds))
-                denoised = outs[0] if cfg == 1.0 else outs[1] + cfg * (outs[0] - outs[1])
+                denoised = WrapperExecutor.new_class_executor(
+                    predict_noise, guider, get_all_wrappers(
+                        WrappersMP.PREDICT_NOISE, guider.model_options, is_model_options=True)
+                ).execute(x, sigma, sampling, seed)
                 x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
         finally:
             patcher.cleanup()
         return x
 
-    guider = SimpleNamespace(model_patcher=patcher, model_options=options)
     return WrapperExecutor.new_class_executor(
         outer_sample, guider, get_all_wrappers(WrappersMP.OUTER_SAMPLE, options,
                                                is_model_options=True)
