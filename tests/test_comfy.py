@@ -322,8 +322,8 @@ FIXED = {"method": "downsample", "policy": "fixed"}
 def dit_model(family="flux", **kw):
     """ComfyUI 0.8.0's Flux, Qwen-Image or Wan 2.1 (tiny stand-ins) behind a ModelPatcher,
     with their model sampling (Flux and Qwen-Image: shift 1.15; Wan: discrete flow, shift
-    8); and three it does not pool yet: AuraFlow (shift 1.73, timestep = sigma), SD3 (shift
-    3) and HunyuanVideo (shift 7)."""
+    8), AuraFlow (shift 1.73, timestep = sigma), SD3 (shift 3) and HunyuanVideo (shift
+    7)."""
     from comfy.ldm.aura.mmdit import MMDiT
     from comfy.ldm.flux.model import Flux
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
@@ -535,33 +535,23 @@ NOT_READ = ("has no UNet transformer blocks to merge and is not a DiT it can poo
             f"; {nodes.PASSES}")
 
 
-def test_auraflow_passes_through_with_its_line(lines):
-    """AuraFlow's model class is called ``MMDiT``, as A1111's SD3 is, but has none of its
-    structure: the node used to raise ``AttributeError: 'MMDiT' object has no attribute
-    'x_embedder'`` and fail the prompt. It passes through with the one line."""
-    base = dit_model("aura")
-    ref = sample(base, "aura")
-    (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
-    assert out is base and len(lines) == 1
-    assert lines[0].startswith("ToMe: MMDiT " + NOT_READ[0]) and lines[0].endswith(NOT_READ[1])
-    assert torch.equal(sample(out, "aura"), ref) and len(lines) == 1
-
-
-@pytest.mark.parametrize("family", ["sd3", "hunyuan"])
-def test_comfy_sd3_and_hunyuan_video_are_not_claimed_by_another_family(lines, family):
-    """ComfyUI's SD3 (the reference MMDiT A1111 runs too, called with
+@pytest.mark.parametrize("family", ["aura", "sd3", "hunyuan"])
+def test_auraflow_sd3_and_hunyuan_video_are_claimed_by_their_own_families(lines, family):
+    """AuraFlow's model class is called ``MMDiT``, as A1111's SD3 is, with none of its
+    structure (the node used to raise ``AttributeError: 'MMDiT' object has no attribute
+    'x_embedder'``); ComfyUI's SD3 (the reference MMDiT A1111 runs too, called with
     ``transformer_options``) was taken for A1111's SD3 and got an attn1 patch its blocks never
     call; HunyuanVideo (Flux's blocks, a 3-D patch, [image, text]) was read as Flux, whose
-    spans place none of its calls: both said "blocks pooled" while their latents were the
-    unpatched ones. Neither is claimed now: the one line, the model passed through."""
+    spans place none of its calls. Each is read by its own ComfyUI family now and pooled
+    (``tests/test_comfy_families.py`` checks their calls against references)."""
     base = dit_model(family)
     ref = sample(base, family)
     (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
-    name = {"sd3": "OpenAISignatureMMDITWrapper", "hunyuan": "HunyuanVideo"}[family]
-    assert out is base and len(lines) == 1
-    assert lines[0].startswith(f"ToMe: {name} {NOT_READ[0]}") and lines[0].endswith(NOT_READ[1])
-    assert not any("pooled" in line for line in lines)
-    assert torch.equal(sample(out, family), ref) and len(lines) == 1
+    name = {"aura": "comfy auraflow", "sd3": "comfy sd3", "hunyuan": "comfy hunyuan-video"}
+    assert out is not base and lines[0].startswith(f"ToMe: {name[family]} DiT, downsample x2")
+    pooled = sample(out, family)
+    assert not torch.equal(pooled, ref) and close(pooled, ref)
+    assert lines[-1].startswith("ToMe: pooled ")
 
 
 @pytest.mark.parametrize("fails", ["recognise", "read"])
@@ -581,7 +571,8 @@ def test_a_family_that_fails_on_a_model_passes_it_through(lines, fails):
     toy = Family("toy broken", broken if fails == "recognise" else everything, broken)
     dits.REGISTRY = {toy.name: toy, **dits.REGISTRY}  # tried first
     try:
-        base = dit_model("aura")
+        from comfy.model_base import BaseModel
+        base = ModelPatcher(BaseModel(torch.nn.Linear(2, 2), ModelSamplingFlux()))  # no DiT
         (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
         assert out is base and len(lines) == 1 and lines[0].endswith(NOT_READ[1])
         if fails == "read":

@@ -41,12 +41,17 @@ from typing import Any
 from torch import nn
 
 from . import (
+    comfy_aura,
+    comfy_chroma,
     comfy_cosmos,
     comfy_flux,
+    comfy_flux2,
+    comfy_hunyuan_video,
     comfy_kandinsky,
     comfy_ltxv,
     comfy_lumina,
     comfy_qwen,
+    comfy_sd3,
     comfy_unreached,
     comfy_wan,
     flux,
@@ -118,6 +123,11 @@ def attention(block: nn.Module) -> nn.Module | None:
 BUILTIN = (
     flux, sd3, mmdit, qwen_image, wan, hunyuan_video,  # diffusers', A1111's
     comfy_unreached,  # ComfyUI's: the unreachable first (a Nunchaku wrapper holds another's)
+    comfy_sd3,
+    comfy_aura,
+    comfy_hunyuan_video,
+    comfy_chroma,  # Chroma and Flux 2 before Flux (its blocks)
+    comfy_flux2,
     comfy_flux,
     comfy_lumina,
     comfy_ltxv,

@@ -12,7 +12,12 @@ the blocks never call attn1 patches (0.8.0) and reach attention only through
 ``attn1_patches=True`` is upstream ComfyUI's later Flux (PR #12861, as public custom nodes
 quote it): before attention each block calls every ``attn1_patch`` as ``p(q, k, v, pe=pe,
 attn_mask=mask, extra_options=options)`` with ``options["img_slice"] = [text, total]`` and
-reads back ``q``, ``k``, ``v``, ``pe``, ``attn_mask`` from the returned dict."""
+reads back ``q``, ``k``, ``v``, ``pe``, ``attn_mask`` from the returned dict.
+
+``global_modulation=True`` is Flux 2 (dev, Klein): one modulation for all blocks
+(``double_stream_modulation_img``/``_txt``, ``single_stream_modulation``), built with
+``patch_size=1`` over its 128-channel latent at 1/16 of the image (one token per latent
+pixel); its reference latents follow the image as Kontext's do."""
 
 import math
 
@@ -86,7 +91,8 @@ class SingleStreamBlock(torch.nn.Module):
 
 class Flux(torch.nn.Module):
     def __init__(self, in_channels=4, context_in_dim=12, hidden_size=32, num_heads=2, depth=2,
-                 depth_single_blocks=2, axes_dim=(4, 6, 6), patch_size=2, attn1_patches=False):
+                 depth_single_blocks=2, axes_dim=(4, 6, 6), patch_size=2, attn1_patches=False,
+                 global_modulation=False):
         super().__init__()
         self.patch_size, self.out_ch = patch_size, in_channels
         self.attn1_patches = attn1_patches
@@ -100,11 +106,17 @@ class Flux(torch.nn.Module):
             [SingleStreamBlock(hidden_size, num_heads, attn1_patches)
              for _ in range(depth_single_blocks)])
         self.final_layer = torch.nn.Linear(hidden_size, in_channels * patch_size ** 2)
+        if global_modulation:  # Flux 2: one modulation, added to every block's vector
+            self.double_stream_modulation_img = torch.nn.Linear(hidden_size, hidden_size)
+            self.double_stream_modulation_txt = torch.nn.Linear(hidden_size, hidden_size)
+            self.single_stream_modulation = torch.nn.Linear(hidden_size, hidden_size)
 
     def forward_orig(self, img, img_ids, txt, txt_ids, timesteps, y, guidance=None,
                      control=None, transformer_options={}, attn_mask=None):  # noqa: B006
         img = self.img_in(img)
         vec = self.time_in(timestep_embedding(timesteps, 16).to(img.dtype))[:, None]
+        if hasattr(self, "double_stream_modulation_img"):
+            vec = vec + self.double_stream_modulation_img(vec)
         txt = self.txt_in(txt)
         pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))
         transformer_options["total_blocks"] = len(self.double_blocks)

@@ -17,6 +17,12 @@ code).
   ``attention_mask`` for the text, a mask ``[1, 1, S]`` over the joint keys;
   ``block_type`` / ``block_index`` written into ``transformer_options``.
 - It has Flux's ``pe_embedder``, ``double_blocks`` and ``single_blocks``.
+- ``version="0.30"``: ComfyUI v0.30.0's (since its PR #12432), the same but text first:
+  double blocks without the flip (``[text, image]``), single blocks over ``cat(text,
+  image)``, positions ``cat(text, image)``, the mask's text part first.
+- ``ref_latent`` (1.5's image to video): patched as the latent is and put just before the
+  image tokens (in either version); ``byt5=True``: a ``byt5_in`` projection, whose
+  ``txt_byt5`` tokens join the text (after it in 0.8.0's 1.0, before it in 1.5).
 """
 
 import torch
@@ -51,8 +57,9 @@ class TokenRefiner(torch.nn.Module):
 class HunyuanVideo(torch.nn.Module):
     def __init__(self, in_channels=4, hidden_size=32, num_heads=2, depth=2,
                  depth_single_blocks=1, context_in_dim=12, axes_dim=(4, 6, 6),
-                 patch_size=(1, 2, 2)):
+                 patch_size=(1, 2, 2), version="0.8.0", byt5=False):
         super().__init__()
+        self.flipped = version == "0.8.0"
         self.patch_size = list(patch_size)
         self.in_channels = self.out_channels = in_channels
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -61,8 +68,9 @@ class HunyuanVideo(torch.nn.Module):
         self.time_in = torch.nn.Linear(16, hidden_size)
         self.txt_in = TokenRefiner(context_in_dim, hidden_size, num_heads)
         self.double_blocks = torch.nn.ModuleList(
-            [DoubleStreamBlock(hidden_size, num_heads, flipped_img_txt=True)
+            [DoubleStreamBlock(hidden_size, num_heads, flipped_img_txt=self.flipped)
              for _ in range(depth)])
+        self.byt5_in = torch.nn.Linear(context_in_dim, hidden_size) if byt5 else None
         self.single_blocks = torch.nn.ModuleList(
             [SingleStreamBlock(hidden_size, num_heads) for _ in range(depth_single_blocks)])
         self.final_layer = torch.nn.Linear(hidden_size, in_channels * self.patch_size[-1] ** 2
@@ -78,34 +86,52 @@ class HunyuanVideo(torch.nn.Module):
         return ids.reshape(1, t * h * w, 3).expand(x.shape[0], -1, -1)
 
     def forward_orig(self, img, img_ids, txt, txt_ids, txt_mask, timesteps,
-                     transformer_options={}):  # noqa: B006
+                     transformer_options={}, txt_byt5=None, ref_latent=None):  # noqa: B006
         initial_shape = list(img.shape)
         img = self.img_in(img).flatten(2).transpose(1, 2)
+        refs = 0
+        if ref_latent is not None:
+            ref_ids = self.img_ids(ref_latent)
+            ref_ids[..., 0] = -1
+            ref = self.img_in(ref_latent).flatten(2).transpose(1, 2)
+            img, refs = torch.cat([ref, img], 1), ref.shape[1]
+            img_ids = torch.cat([ref_ids, img_ids], 1)
         vec = self.time_in(timestep_embedding(timesteps, 16, time_factor=1.0).to(img.dtype))
         vec = vec[:, None]
         if txt_mask is not None and not torch.is_floating_point(txt_mask):
             txt_mask = (txt_mask - 1).to(img.dtype) * torch.finfo(img.dtype).max
         txt = self.txt_in(txt, timesteps, txt_mask, transformer_options=transformer_options)
-        pe = self.pe_embedder(torch.cat((img_ids, txt_ids), dim=1))
-        img_len = img.shape[1]
+        if self.byt5_in is not None and txt_byt5 is not None:
+            txt = torch.cat((txt, self.byt5_in(txt_byt5)), 1)
+            txt_ids = torch.zeros((txt.shape[0], txt.shape[1], 3))
+            if txt_mask is not None:
+                txt_mask = torch.cat((txt_mask, txt_mask.new_zeros(txt_mask.shape[0],
+                                                                   txt_byt5.shape[1])), 1)
+        ids = (img_ids, txt_ids) if self.flipped else (txt_ids, img_ids)
+        pe = self.pe_embedder(torch.cat(ids, dim=1))
+        img_len, n = img.shape[1], txt.shape[1]
         attn_mask = None
         if txt_mask is not None:
-            attn_mask = torch.zeros((1, 1, img_len + txt.shape[1]), dtype=img.dtype)
-            attn_mask[:, 0, img_len:] = txt_mask
+            attn_mask = torch.zeros((1, 1, img_len + n), dtype=img.dtype)
+            if self.flipped:
+                attn_mask[:, 0, img_len:] = txt_mask
+            else:
+                attn_mask[:, 0, :n] = txt_mask
         transformer_options["total_blocks"] = len(self.double_blocks)
         transformer_options["block_type"] = "double"
         for i, block in enumerate(self.double_blocks):
             transformer_options["block_index"] = i
             img, txt = block(img=img, txt=txt, vec=vec, pe=pe, attn_mask=attn_mask,
                              transformer_options=transformer_options)
-        img = torch.cat((img, txt), 1)
+        img = torch.cat((img, txt) if self.flipped else (txt, img), 1)
         transformer_options["total_blocks"] = len(self.single_blocks)
         transformer_options["block_type"] = "single"
         for i, block in enumerate(self.single_blocks):
             transformer_options["block_index"] = i
             img = block(img, vec=vec, pe=pe, attn_mask=attn_mask,
                         transformer_options=transformer_options)
-        img = self.final_layer(img[:, :img_len])
+        img = img[:, :img_len] if self.flipped else img[:, n:]
+        img = self.final_layer(img[:, refs:])
         b, c, t, h, w = initial_shape
         pt, ph, pw = self.patch_size
         img = img.reshape(b, t // pt, h // ph, w // pw, c, pt, ph, pw)
@@ -128,4 +154,5 @@ class HunyuanVideo(torch.nn.Module):
                  transformer_options={}, **kwargs):  # noqa: B006
         txt_ids = torch.zeros((x.shape[0], context.shape[1], 3))
         return self.forward_orig(x, self.img_ids(x), context, txt_ids, attention_mask,
-                                 timestep, transformer_options=transformer_options)
+                                 timestep, transformer_options=transformer_options,
+                                 txt_byt5=txt_byt5, ref_latent=ref_latent)

@@ -14,7 +14,10 @@ reference MMDiT, the code A1111 runs too, with ComfyUI's attention call:
 - Joint attention (``block_mixing``): each side's q, k, v ``[B, S, heads * D]`` concatenated
   ``[context, x]`` and ``optimized_attention(q, k, v, heads=..., transformer_options=...)``;
   no ``block_type`` / ``block_index`` in ``transformer_options``; the blocks never call attn1
-  patches.
+  patches. ``register_length`` learned tokens go before the context (SD3 has none).
+- SD3.5 Medium: the image blocks of ``x_block_self_attn_layers`` also run ``attn2``, a
+  self-attention over the image tokens alone through the same call, its output added
+  (gated) beside the joint attention's. The same in v0.30.0.
 """
 
 import math
@@ -60,10 +63,12 @@ class SelfAttention(torch.nn.Module):
 
 
 class DismantledBlock(torch.nn.Module):
-    def __init__(self, hidden_size, num_heads, pre_only=False):
+    def __init__(self, hidden_size, num_heads, pre_only=False, x_block_self_attn=False):
         super().__init__()
         self.attn = SelfAttention(hidden_size, num_heads, pre_only)
-        self.pre_only, self.x_block_self_attn = pre_only, False
+        self.pre_only, self.x_block_self_attn = pre_only, x_block_self_attn
+        if x_block_self_attn:
+            self.attn2 = SelfAttention(hidden_size, num_heads)
         self.adaLN_modulation = torch.nn.Sequential(
             torch.nn.SiLU(), torch.nn.Linear(hidden_size, (2 if pre_only else 3) * hidden_size))
         if not pre_only:
@@ -78,8 +83,10 @@ class DismantledBlock(torch.nn.Module):
         qkv = self.attn.pre_attention(modulate(F.layer_norm(x, x.shape[-1:]), shift, scale))
         return qkv, (x, gate)
 
-    def post_attention(self, attn, x, gate):
+    def post_attention(self, attn, x, gate, attn2=None):
         x = x + gate.unsqueeze(1) * self.attn.post_attention(attn)
+        if attn2 is not None:
+            x = x + gate.unsqueeze(1) * self.attn2.post_attention(attn2)
         return x + self.mlp(F.gelu(F.layer_norm(x, x.shape[-1:])))
 
 
@@ -92,7 +99,13 @@ def _block_mixing(context, x, context_block, x_block, c, transformer_options={})
     n = context_qkv[0].shape[1]
     context = None if context_block.pre_only else \
         context_block.post_attention(attn[:, :n], *context_intermediates)
-    return context, x_block.post_attention(attn[:, n:], *x_intermediates)
+    attn2 = None
+    if x_block.x_block_self_attn:  # SD3.5 Medium: the image's own self-attention
+        q2, k2, v2 = x_block.attn2.pre_attention(
+            F.layer_norm(x_intermediates[0], x_intermediates[0].shape[-1:]))
+        attn2 = optimized_attention(q2, k2, v2, heads=x_block.attn2.num_heads,
+                                    transformer_options=transformer_options)
+    return context, x_block.post_attention(attn[:, n:], *x_intermediates, attn2=attn2)
 
 
 def block_mixing(*args, use_checkpoint=True, **kwargs):
@@ -100,10 +113,10 @@ def block_mixing(*args, use_checkpoint=True, **kwargs):
 
 
 class JointBlock(torch.nn.Module):
-    def __init__(self, hidden_size, num_heads, pre_only):
+    def __init__(self, hidden_size, num_heads, pre_only, x_block_self_attn=False):
         super().__init__()
         self.context_block = DismantledBlock(hidden_size, num_heads, pre_only)
-        self.x_block = DismantledBlock(hidden_size, num_heads, False)
+        self.x_block = DismantledBlock(hidden_size, num_heads, False, x_block_self_attn)
 
     def forward(self, *args, **kwargs):
         return block_mixing(*args, context_block=self.context_block, x_block=self.x_block,
@@ -112,7 +125,8 @@ class JointBlock(torch.nn.Module):
 
 class MMDiT(torch.nn.Module):
     def __init__(self, in_channels=4, patch_size=2, depth=2, hidden_size=32, num_heads=2,
-                 context_dim=12, adm_in_channels=None, pos_embed_max_size=16):
+                 context_dim=12, adm_in_channels=None, pos_embed_max_size=16,
+                 register_length=0, x_block_self_attn_layers=()):
         super().__init__()
         self.out_channels, self.hidden_size, self.num_heads = in_channels, hidden_size, num_heads
         self.pos_embed_max_size = pos_embed_max_size
@@ -123,8 +137,12 @@ class MMDiT(torch.nn.Module):
         self.context_embedder = torch.nn.Linear(context_dim, hidden_size)
         self.register_buffer("pos_embed",
                              torch.randn(1, pos_embed_max_size ** 2, hidden_size) * 0.1)
+        self.register_length = register_length
+        if register_length:
+            self.register = torch.nn.Parameter(torch.randn(1, register_length, hidden_size) * 0.1)
         self.joint_blocks = torch.nn.ModuleList(
-            [JointBlock(hidden_size, num_heads, pre_only=i == depth - 1) for i in range(depth)])
+            [JointBlock(hidden_size, num_heads, pre_only=i == depth - 1,
+                        x_block_self_attn=i in x_block_self_attn_layers) for i in range(depth)])
         self.final_layer = torch.nn.Linear(hidden_size, patch_size * patch_size * in_channels)
 
     def cropped_pos_embed(self, hw):
@@ -136,6 +154,8 @@ class MMDiT(torch.nn.Module):
 
     def forward_core_with_concat(self, x, c_mod, context=None, control=None,
                                  transformer_options={}):  # noqa: B006
+        if self.register_length > 0:
+            context = torch.cat((self.register.repeat(x.shape[0], 1, 1), context), 1)
         for block in self.joint_blocks:
             context, x = block(context, x, c=c_mod, use_checkpoint=False,
                                transformer_options=transformer_options)
