@@ -286,3 +286,18 @@ def test_hunyuan_spans_from_the_models_hints():
         (11, True, 0, 2, 4, 5, 0)
     assert hv.spans(video, torch.zeros(1, 16, 1, 2, 14), ctx, {}) is None  # 7 tokens
     assert hv.spans(video, torch.zeros(1, 16, 8, 8), ctx, {}) is None  # not 5-D
+
+
+def test_forge_neos_chroma_is_named_as_itself():
+    """Forge Neo's Chroma (a subclass of its Flux in Neo's package) is "forge neo chroma",
+    swapped at Flux's attention global; Neo's Flux stays "forge neo flux"."""
+    from tome import adapters
+
+    flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,),
+                {"__module__": "backend.nn.flux"})
+    chroma = type("IntegratedChromaTransformer2DModel", (flux,),
+                  {"__module__": "backend.nn.chroma"})
+    assert dits.find(chroma()).name == "forge neo chroma"
+    assert dits.find(flux()).name == "forge neo flux"
+    assert adapters.neo_form("forge neo chroma").points == \
+        adapters.neo_form("forge neo flux").points

@@ -57,6 +57,7 @@ from . import (
     flux,
     hunyuan_video,
     mmdit,
+    neo_chroma,
     neo_flux,
     neo_lumina,
     neo_nunchaku,
@@ -136,6 +137,7 @@ BUILTIN = (
     comfy_qwen,
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
+    neo_chroma,  # before Flux (its blocks)
     neo_flux,
     neo_wan,
     neo_qwen,

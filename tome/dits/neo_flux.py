@@ -1,4 +1,4 @@
-"""Forge Neo's Flux, Flux2 and Chroma (``backend.nn.flux``, ``backend.nn.chroma``):
+"""Forge Neo's Flux and Flux2 (``backend.nn.flux``; Chroma's blocks too: ``neo_chroma``):
 ``double_blocks`` then ``single_blocks``, every block calling the module-level
 ``backend.nn.flux.attention(q, k, v, pe, mask=, transformer_options=)`` with ``[B, heads, S,
 D]`` queries and keys **before** RoPE and ``pe`` the rotation matrices (Chroma's blocks are
@@ -77,6 +77,5 @@ spans = image_spans(4)
 # keyword)): positions count the arguments after q, k, v.
 POINTS = (("backend.nn.flux", "attention", 2, (0, "pe"), (1, "mask")),)
 
-FAMILY = Family("forge neo flux", neo("IntegratedFluxTransformer2DModel",
-                                      "IntegratedChromaTransformer2DModel"), read,
-                host=HostPoint(FORGE_NEO, spans, POINTS))
+FAMILY = Family("forge neo flux", neo("IntegratedFluxTransformer2DModel"), read,
+                host=HostPoint(FORGE_NEO, spans, POINTS))  # Chroma: neo_chroma (tried first)
