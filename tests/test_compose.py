@@ -143,8 +143,10 @@ def test_a_cache_that_skips_steps_keeps_reuses_refreshes(lines, monkeypatch, fam
     assert all(full.count(s) == 2 * BLOCKS[family] for s in expected)
     assert not {step_index(sigmas, s) for s, _ in seen} & skipped  # no attention there
     where = "inside the model" if cache == "EasyCache" else "before the model call"
+    numbers = ", ".join(map(str, sorted(skipped)))
     assert lines[told:][-1].endswith(
-        f"steps skipped by a cache {len(skipped)} of 12 ({len(skipped)} {where})")
+        f"; steps skipped by a cache {len(skipped)} of 12 ({where}: {numbers}); residual "
+        f"reuse refreshed at steps {', '.join(map(str, expected))}")
     assert "model calls not reaching it" not in lines[-1]
     assert torch.isfinite(out).all() and not torch.equal(out, without)
     assert torch.equal(sample(both, family), out)
@@ -163,6 +165,7 @@ def test_reuse_keys_its_steps_on_the_sampler_schedule(lines, monkeypatch):
     full = sorted({step_index(sigmas, s) for s, n in seen if n == IMAGE_KEYS["flux"]})
     assert full == [0, 3, 6, 9]
     assert "steps skipped by a cache" not in lines[-1]
+    assert lines[-1].endswith("; residual reuse refreshed at steps 0, 3, 6, 9")
 
 
 # ----------------------------------------------------------------------------- compile

@@ -164,6 +164,7 @@ class OverridePatch(percall.Core):
         """A sampling run starts (ComfyUI's ``on_pre_run``): reuse reset, steps counted anew."""
         self.reset()
         self.steps.clear()
+        self.refreshed.clear()
 
     def step_of(self, options: dict) -> int | None:
         """The sampler's step of this call: how many of its sigmas (``sample_sigmas``, read
@@ -177,16 +178,18 @@ class OverridePatch(percall.Core):
         sigma = float(sigmas.reshape(-1)[0])
         return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
 
-    def cached(self) -> tuple[int, int, int, int] | None:
-        """This sampling's steps that a cache answered without our attention: (steps, not
-        reaching the model, reaching it but not its attention, those steps' model calls), or
-        None where the sampler's schedule was not seen or no step reached the attention."""
+    def sampling(self) -> calls.Steps | None:
+        """This sampling's steps (``percall_calls.Steps``): those a cache answered without our
+        attention (no model call, or model calls that reached no attention) and those whose
+        calls refreshed residual reuse; None where the sampler's schedule was not seen or no
+        step reached the attention."""
         steps = len(self.sigmas[1]) - 1
         if steps < 1 or not any(fired for _, fired in self.steps.values()):
             return None
-        before = sum(i not in self.steps for i in range(steps))
-        inside = [calls for calls, fired in self.steps.values() if not fired]
-        return steps, before, len(inside), sum(inside)
+        inside = sorted(i for i, (_, fired) in self.steps.items() if not fired)
+        return calls.Steps(steps, tuple(i for i in range(steps) if i not in self.steps),
+                           tuple(inside), sum(self.steps[i][0] for i in inside),
+                           tuple(sorted(self.refreshed)))
 
     def wrapper(self, executor: Callable, *args: Any, **kwargs: Any) -> Any:
         """ComfyUI's ``apply_model`` wrapper: ``(executor, x, t, c_concat, c_crossattn,

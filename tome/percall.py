@@ -286,6 +286,7 @@ class Core:
         self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
         # the settings at their step / that pooled at least one attention call (``counts``)
         self.tally: Counter = Counter()  # attention calls by outcome (``percall_calls``)
+        self.refreshed: set[int] = set()  # steps whose calls refreshed reuse (host clears it)
         self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
         self.on_silent: Callable[[], Any] | None = None  # told once: installed, never reached
         self.report: Any = None
@@ -390,8 +391,11 @@ class Core:
             self.placed += spans is not None
             self.active += state is not None
             self.pooled += bool(owner.flags.get("pooled"))
-            if state is not None and state.reuse is not None and not owner.flags.get("pooled"):
-                state.reuse.missed()  # a cache answered it inside the model: refresh next
+            if state is not None and state.reuse is not None:
+                if not owner.flags.get("pooled"):
+                    state.reuse.missed()  # a cache answered it inside the model: refresh next
+                elif state.reuse.refresh:
+                    self.refreshed.add(state.reuse.step)
             if owner.flags.get("fired"):
                 self.fired += 1
                 self.compiled += self.tally.total() == seen  # replayed by a compiled graph

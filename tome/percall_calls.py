@@ -21,7 +21,7 @@ counted"), never guessed. Pure torch.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -77,12 +77,25 @@ def count(tally: Counter, what: str) -> None:
         tally[what] += 1
 
 
-def line(now: tuple, since: tuple, cached: tuple | None = None) -> str | None:
+class Steps(NamedTuple):
+    """What the sampler's steps did in one sampling (``OverridePatch.sampling``)."""
+
+    total: int                   # steps in the sampler's schedule
+    before: tuple[int, ...]      # skipped by a cache before the model call (LazyCache)
+    inside: tuple[int, ...]      # reached the model but not its attention (EasyCache)
+    calls: int                   # the model calls of the ``inside`` steps
+    refreshed: tuple[int, ...]   # steps whose calls refreshed residual reuse
+
+
+def _steps(numbers: tuple[int, ...]) -> str:
+    return ", ".join(map(str, numbers)) if len(numbers) <= 12 else f"{len(numbers)} steps"
+
+
+def line(now: tuple, since: tuple, steps: Steps | None = None) -> str | None:
     """The console line after a sampling: ``now`` and ``since`` are ``Core.tallies()`` at its
-    end and start; ``cached``: the sampler's steps a cache answered (``OverridePatch.cached``:
-    steps, not reaching the model, reaching it but not its attention, their model calls).
-    None where no attention call was counted and none pooled (the ``not_pooled`` line says
-    why then)."""
+    end and start; ``steps``: what the sampler's steps did (skipped by a cache, refreshed
+    reuse), where the host knows its schedule. None where no attention call was counted and
+    none pooled (the ``not_pooled`` line says why then)."""
     tally = now[0] - since[0]
     compiled, outside, silent = (a - b for a, b in zip(now[1:], since[1:]))
     total = sum(tally.values())
@@ -91,17 +104,19 @@ def line(now: tuple, since: tuple, cached: tuple | None = None) -> str | None:
     rest = [f"{NAMES[key]} {tally[key]}" for key in NAMES if tally[key]]
     if outside:
         rest.append(f"model calls outside the window {outside}")
-    steps, before, inside, calls = cached or (0, 0, 0, 0)
-    silent -= calls
+    silent -= steps.calls if steps else 0
     if silent > 0:
         rest.append(f"model calls not reaching it {silent}")
-    if before or inside:
-        where = [f"{n} {w}" for n, w in ((before, "before the model call"),
-                                         (inside, "inside the model")) if n]
-        rest.append(f"steps skipped by a cache {before + inside} of {steps} "
-                    f"({', '.join(where)})")
     if compiled:
         rest.append(f"model calls inside a compiled graph {compiled} (their attention calls "
                     "not counted)")
     head = f"ToMe: pooled {tally[POOLED]} of {total} attention calls"
-    return head + ("; the rest: " + ", ".join(rest) if rest else "")
+    parts = [head + ("; the rest: " + ", ".join(rest) if rest else "")]
+    if steps and (steps.before or steps.inside):
+        where = [f"{w}: {_steps(n)}" for n, w in ((steps.before, "before the model call"),
+                                                 (steps.inside, "inside the model")) if n]
+        parts.append(f"steps skipped by a cache {len(steps.before) + len(steps.inside)} of "
+                     f"{steps.total} ({'; '.join(where)})")
+    if steps and steps.refreshed:
+        parts.append(f"residual reuse refreshed at steps {_steps(steps.refreshed)}")
+    return "; ".join(parts)

@@ -125,8 +125,8 @@ class AfterSampling:
         tallies = mark.tallies() if counted else None
         out = executor(*args, **kwargs)
         if counted:
-            cached = mark.cached() if isinstance(mark, override.OverridePatch) else None
-            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies, cached)
+            steps = mark.sampling() if isinstance(mark, override.OverridePatch) else None
+            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies, steps)
         elif mark.calls == since and not self.guard.silent_told:
             self.guard.silent_told = True  # the guard tells it at a call where it runs
             line = mark.SILENT
