@@ -173,7 +173,35 @@ def test_z_image_samples_close_and_the_same_for_the_same_seed(lines, version):
     assert lines[-1].startswith("ToMe: pooled ")
 
 
-def test_lumina_is_read_with_its_layers_and_z_image_omni_calls_are_not_placed():
+@pytest.mark.parametrize("proportional", [True, False])
+def test_z_image_omni_against_a_hand_written_reference(monkeypatch, lines, proportional):
+    """v0.30.0's Z-Image omni: [captions (the reference's, the prompt's), SigLIP features (the
+    reference's, the image's pad tokens), the reference image, the image], each padded to 8.
+    The captions' and the features' refiner calls whole; the images' refiner call and the
+    joint calls pooled from the image's first token, the reference image whole."""
+    import comfy.ldm.lumina.model as lumina_model
+    from comfy.ldm.lumina.model import NextDiT
+    torch.manual_seed(0)
+    base = patcher(NextDiT(pad_tokens_multiple=8, version="0.30.0", siglip_feat_dim=12))
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 14, 10, generator=g), torch.randn(1, 5, 12, generator=g)
+    conds = {"ref_latents": [torch.randn(1, 4, 6, 8, generator=g)],
+             "ref_contexts": [torch.randn(1, 3, 12, generator=g)],
+             "siglip_feats": [torch.randn(1, 2, 3, 12, generator=g)]}
+    ref = one_call(base, noise, ctx, **conds)
+    out = one_call(pooled(base, proportional), noise, ctx, **conds)
+    # captions 8 + 8, SigLIP 8 + 8; reference image 3 x 4 -> 16; image 7 x 5 -> 40
+    layout = {16: None, 16 + 40: 16, 32 + 16 + 40: 32 + 16}
+    seen = []
+    monkeypatch.setattr(lumina_model, "optimized_attention_masked",
+                        reference_backend(layout, (1, 7, 5), 2, proportional, seen))
+    want = one_call(base, noise, ctx, **conds)
+    assert sorted(set(seen)) == sorted(layout.items())
+    assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_lumina_is_read_with_its_layers_and_places_z_image_omni_calls():
     from tome.dits import comfy_lumina
     model = lumina("0.30.0", 8)
     family = dits.find(model)
@@ -182,7 +210,11 @@ def test_lumina_is_read_with_its_layers_and_z_image_omni_calls_are_not_placed():
     assert list(doubles) == list(model.layers) and not list(singles) and facts.patch == 2
     x, ctx = torch.zeros(1, 4, 14, 10), torch.zeros(1, 5, 12)
     assert comfy_lumina.spans(model, x, ctx, {}) == (8, True, 0, 1, 7, 5, 5)
-    assert comfy_lumina.spans(model, x, ctx, {"ref_latents": [x]}) is None
+    assert comfy_lumina.spans(model, x, ctx, {"ref_latents": [x]}) == (8 + 8, True, 40, 1, 7,
+                                                                      5, 5)
+    assert comfy_lumina.spans(lumina("0.30.0"), x, ctx, {"ref_latents": [x]}) is None  # no pad
+    # captions 8 + 72 as long as the images 40 + 40: not placed
+    assert comfy_lumina.spans(model, x, torch.zeros(1, 72, 12), {"ref_latents": [x]}) is None
 
 
 def test_spans_leave_an_image_only_call_as_long_as_the_text():

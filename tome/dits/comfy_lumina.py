@@ -36,16 +36,45 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     ``apply_model`` call, or None: the caption (padded) first, the image's ``ceil(H/p) x
     ceil(W/p)`` tokens, its padding after (unpooled). The refiners' calls are placed by
     their lengths: the image alone is pooled like a joint call's image, the caption alone
-    is not (nor an image as long as the caption: ``Spans.start``). Z-Image's omni calls
-    (``ref_latents``: captions, SigLIP features and reference images before the image) are
-    not placed."""
-    if x.dim() != 4 or not isinstance(context, torch.Tensor) or context.dim() != 3 \
-            or conds.get("ref_latents"):
+    is not (nor an image as long as the caption: ``Spans.start``). Z-Image omni
+    (``ref_latents``): ``omni`` places its references before the image."""
+    if x.dim() != 4 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None
     p, multiple = int(model.patch_size), getattr(model, "pad_tokens_multiple", None)
     h, w = math.ceil(x.shape[-2] / p), math.ceil(x.shape[-1] / p)
-    return (_padded(int(context.shape[1]), multiple), True, 0, 1, h, w,
-            _padded(h * w, multiple) - h * w)
+    after = _padded(h * w, multiple) - h * w
+    if conds.get("ref_latents"):
+        return omni(model, p, multiple, context, conds, h * w + after, (h, w, after))
+    return _padded(int(context.shape[1]), multiple), True, 0, 1, h, w, after
+
+
+def omni(model: nn.Module, p: int, multiple: Any, context: torch.Tensor, conds: dict,
+         image: int, grid: tuple[int, int, int]) -> tuple | None:
+    """Z-Image omni's call (v0.30.0): ``[captions, SigLIP features, reference images,
+    image]``, each padded: the captions (each reference's ``ref_contexts`` entry, or one
+    multiple of pad tokens; the prompt; entries beyond the references) and the SigLIP
+    features (each reference's ``siglip_feats`` ``[B, h, w, C]``, or one multiple of pad
+    tokens; one multiple for the image; none without a SigLIP embedder) count as text, the
+    reference images as tokens before the image (unpooled). None without padding, or where
+    the captions' or the features' own refiner call is as long as the images' (their calls
+    could not be told apart)."""
+    if not multiple:
+        return None
+    refs, texts = list(conds["ref_latents"]), list(conds.get("ref_contexts") or ())
+    feats = list(conds.get("siglip_feats") or ())
+    m = int(multiple)
+    captions = sum(_padded(int(texts[i].shape[1]), m) if i < len(texts) else m
+                   for i in range(len(refs))) + _padded(int(context.shape[1]), m) \
+        + sum(_padded(int(t.shape[1]), m) for t in texts[len(refs):])
+    siglip = 0
+    if getattr(model, "siglip_embedder", None) is not None:
+        pad = m if getattr(model, "siglip_pad_token", None) is not None else 0
+        siglip = sum(_padded(int(feats[i].shape[1]) * int(feats[i].shape[2]), pad)
+                     if i < len(feats) else pad for i in range(len(refs))) + pad
+    before = sum(_padded((int(r.shape[-2]) // p) * (int(r.shape[-1]) // p), m) for r in refs)
+    if before + image in (captions, siglip):
+        return None
+    return captions + siglip, True, before, 1, *grid
 
 
 FAMILY = Family("comfy lumina", recognise, read, host=HostPoint(COMFYUI, spans))

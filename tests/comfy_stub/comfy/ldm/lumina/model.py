@@ -14,6 +14,14 @@ each padded up to that multiple with a learned pad token (Lumina 2: none). Then:
   ``transformer_options`` gets ``total_blocks``, ``block_type`` "double" and ``block_index``
   (the refiners set none).
 
+Z-Image omni (v0.30.0, ``ref_latents``: the reference images, their captions
+``ref_contexts``, their SigLIP features ``siglip_feats`` ``[B, h, w, C]``): the joint sequence
+is ``[captions (each reference's, padded, or one multiple of pad tokens; the prompt's;
+captions beyond the references), SigLIP features (each reference's, padded, or one multiple of
+pad tokens; one multiple for the image), reference images (each padded), image (padded)]``;
+the refiners run over the captions, the SigLIP features and the images (references, then the
+image) apart.
+
 Every attention is ``optimized_attention_masked(q, k, v, heads, mask, skip_reshape=True,
 transformer_options=...)`` with ``[B, heads, S, D]`` queries and keys already rotated (RoPE
 over caption position, row and column; padding at position 0). The model is called with the
@@ -61,7 +69,7 @@ class JointTransformerBlock(torch.nn.Module):
 class NextDiT(torch.nn.Module):
     def __init__(self, patch_size=2, in_channels=4, dim=32, n_heads=2, n_layers=2,
                  n_refiner_layers=1, cap_feat_dim=12, pad_tokens_multiple=None,
-                 version="0.8.0"):
+                 version="0.8.0", siglip_feat_dim=None):
         super().__init__()
         self.patch_size, self.in_channels, self.version = patch_size, in_channels, version
         self.pad_tokens_multiple = pad_tokens_multiple
@@ -81,6 +89,13 @@ class NextDiT(torch.nn.Module):
         if pad_tokens_multiple is not None:
             self.x_pad_token = torch.nn.Parameter(torch.randn(1, dim))
             self.cap_pad_token = torch.nn.Parameter(torch.randn(1, dim))
+        self.siglip_embedder = self.siglip_refiner = self.siglip_pad_token = None
+        if siglip_feat_dim is not None:
+            self.siglip_embedder = torch.nn.Linear(siglip_feat_dim, dim)
+            self.siglip_refiner = torch.nn.ModuleList(
+                [JointTransformerBlock(dim, n_heads, modulation=False)
+                 for _ in range(n_refiner_layers)])
+            self.siglip_pad_token = torch.nn.Parameter(torch.randn(1, dim))
 
     def _pad(self, feats, ids, token):
         if self.pad_tokens_multiple is None:
@@ -97,13 +112,62 @@ class NextDiT(torch.nn.Module):
         ).execute(x, timesteps, context, num_tokens, attention_mask,
                   transformer_options=transformer_options, **kwargs)
 
+    def _image(self, x, token):
+        b, c = x.shape[:2]
+        p = self.patch_size
+        hh, ww = x.shape[-2] // p, x.shape[-1] // p
+        img = self.x_embedder(x.view(b, c, hh, p, ww, p).permute(0, 2, 4, 3, 5, 1)
+                              .flatten(3).flatten(1, 2))
+        return self._pad(img, torch.zeros(b, hh * ww, 3), token)[0]
+
+    def _omni(self, x, t, context, refs, contexts, sigs, transformer_options):
+        """Z-Image omni: [captions, SigLIP features, reference images, image], refined apart
+        (positions all 0 here: the layout is what the stand-in keeps)."""
+        b, m = x.shape[0], self.pad_tokens_multiple
+
+        def pads(token):
+            return token.expand(b, m, -1)
+
+        def padded(f, token):
+            return self._pad(f, torch.zeros(*f.shape[:2], 3), token)[0]
+
+        caps = [padded(self.cap_embedder(contexts[i]), self.cap_pad_token)
+                if i < len(contexts) else pads(self.cap_pad_token) for i in range(len(refs))]
+        caps += [padded(self.cap_embedder(c), self.cap_pad_token)
+                 for c in [context, *contexts[len(refs):]]]
+        siglip = [padded(self.siglip_embedder(sigs[i].flatten(1, 2)), self.siglip_pad_token)
+                  if i < len(sigs) else pads(self.siglip_pad_token) for i in range(len(refs))]
+        siglip.append(pads(self.siglip_pad_token))
+        images = [self._image(r, self.x_pad_token) for r in refs] + \
+            [self._image(x, self.x_pad_token)]
+        parts = [torch.cat(caps, 1), torch.cat(siglip, 1), torch.cat(images, 1)]
+        zero = self.rope_embedder(torch.zeros(1, sum(q.shape[1] for q in parts), 3))
+        for i, (layers, tt) in enumerate(((self.context_refiner, None),
+                                          (self.siglip_refiner, None), (self.noise_refiner, t))):
+            for layer in layers:
+                parts[i] = layer(parts[i], None, zero[:, :, :parts[i].shape[1]], tt,
+                                 transformer_options=transformer_options)
+        joint = torch.cat(parts, 1)
+        transformer_options["block_type"] = "double"
+        for i, layer in enumerate(self.layers):
+            transformer_options["block_index"] = i
+            joint = layer(joint, None, zero, t, transformer_options=transformer_options)
+        return joint[:, joint.shape[1] - images[-1].shape[1]:]
+
     def _forward(self, x, timesteps, context, num_tokens=None, attention_mask=None,
+                 ref_latents=(), ref_contexts=(), siglip_feats=(),
                  transformer_options={}, **kwargs):  # noqa: B006
         b, c, h, w = x.shape
         p = self.patch_size
         x = F.pad(x, (0, (-w) % p, 0, (-h) % p), mode="circular")
         hh, ww = x.shape[-2] // p, x.shape[-1] // p
         t = self.t_embedder(timestep_embedding(1.0 - timesteps, 16, time_factor=1000.0))
+        if ref_latents:
+            img = self._omni(x, t, context, list(ref_latents), list(ref_contexts or ()),
+                             list(siglip_feats or ()), transformer_options)
+            out = self.final_layer(img[:, :hh * ww]).view(b, hh, ww, p, p, c)
+            out = out.permute(0, 5, 1, 3, 2, 4).reshape(b, c, hh * p, ww * p)[:, :, :h, :w]
+            return -out
         cap = self.cap_embedder(context)
         cap_ids = torch.zeros(b, cap.shape[1], 3)
         cap_ids[..., 0] = torch.arange(cap.shape[1], dtype=torch.float32) + 1
