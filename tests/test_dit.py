@@ -483,6 +483,43 @@ def test_sdpa_reference_for_sd3_joint_attention(sd3):
         torch.testing.assert_close(ctx, attn.to_add_out(ref[:, H * W:]), atol=1e-5, rtol=1e-4)
 
 
+def test_sd3_proportional_pooled_call_matches_a_hand_written_reference(sd3):
+    """SD3's joint attention with the bias: 3x3 cells on the 8x12 grid (the bottom row of
+    cells 2 tokens high) averaged by loops, log(cell size) on the cells' scores and 0 on the
+    text's, an einsum softmax; the reference with the bias negated is far from the output."""
+    model = copy.deepcopy(sd3)
+    attn = model.transformer_blocks[1].attn
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        if norm is not None:  # unit RMS queries and keys: scores of order 1
+            torch.nn.init.ones_(norm.weight)
+    g = torch.Generator().manual_seed(4)
+    hs, ehs = torch.randn(2, H * W, 16, generator=g), torch.randn(2, T, 16, generator=g)
+    plan = dit.DitPlan(H, W, 3, "pooled", True)
+    counts = torch.tensor([min(3, H - i) * min(3, W - j) for i in range(0, H, 3)
+                           for j in range(0, W, 3)], dtype=torch.float)
+    with torch.no_grad():
+        out, _ = sd3_family.joint(attn, plan, hs, ehs)
+
+        def reference(sign):
+            def heads(x, norm=None):
+                x = x.view(2, -1, attn.heads, 8)
+                return x if norm is None else norm(x)
+
+            def pooled(x):
+                return _reference_pool(x.flatten(2), 0, H, W, 3).view(2, -1, attn.heads, 8)
+            q = torch.cat([heads(attn.to_q(hs), attn.norm_q),
+                           heads(attn.add_q_proj(ehs), attn.norm_added_q)], 1)
+            k = torch.cat([pooled(heads(attn.to_k(hs), attn.norm_k)),
+                           heads(attn.add_k_proj(ehs), attn.norm_added_k)], 1)
+            v = torch.cat([pooled(heads(attn.to_v(hs))), heads(attn.add_v_proj(ehs))], 1)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8)
+            bias = torch.cat([counts.log() * sign, torch.zeros(T)])
+            o = torch.einsum("bhqk,bkhd->bqhd", (scores + bias).softmax(-1), v).flatten(2)
+            return attn.to_out[0](o[:, :H * W])
+        torch.testing.assert_close(out, reference(1.0), atol=1e-5, rtol=1e-4)
+        assert (out - reference(-1.0)).abs().max() > 1e-3
+
+
 def test_coexists_with_diffusers_cache_hooks(flux):
     """diffusers' own block caching (FirstBlockCache hooks) around the blocks, our processors
     inside them: both work, and removing ours leaves the cached model as it was."""
