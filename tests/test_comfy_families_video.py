@@ -345,3 +345,29 @@ def test_ltx_2_audio_video_is_not_claimed_as_ltx_video():
     from comfy.ldm.lightricks.model import LTXVModel
     LTXAVModel = type("LTXAVModel", (LTXVModel,), {"__module__": "comfy.ldm.lightricks.av_model"})
     assert dits.find(LTXAVModel()) is None or dits.find(LTXAVModel()).name != "comfy ltx-video"
+
+
+@pytest.mark.parametrize("proportional", [True, False])
+def test_wan_in_context_references_stay_whole_against_a_hand_written_reference(
+        monkeypatch, lines, proportional):
+    """v0.30.0's Wan in-context references (``context_latents``: latents appended after the
+    video's tokens, each its own grid): the video pooled per frame, the references' tokens
+    whole (before, the call's 60 tokens could not be placed: nothing was pooled)."""
+    import comfy.ldm.wan.model as wan_model
+    from comfy.ldm.wan.model import WanModel
+    torch.manual_seed(0)
+    base = patcher(WanModel(), shift=8.0, multiplier=1000)
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 3, 6, 8, generator=g), torch.randn(1, 5, 12, generator=g)
+    conds = {"context_latents": [torch.randn(1, 4, 2, 6, 7, generator=g)]}
+    ref = one_call(base, noise, ctx, **conds)
+    out = one_call(pooled(base, proportional), noise, ctx, **conds)
+    assert lines[0].startswith("ToMe: comfy wan DiT, downsample x2")
+    seen = []
+    monkeypatch.setattr(wan_model, "optimized_attention",
+                        reference_backend({36 + 2 * 3 * 4: 0}, (3, 3, 4), 2, proportional,
+                                          seen))
+    want = one_call(base, noise, ctx, **conds)
+    assert sorted(set(seen)) == [(5, None), (60, 0)]
+    assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

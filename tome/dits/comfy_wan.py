@@ -31,7 +31,8 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     ``apply_model`` call, or None: no text in the self-attention; a reference latent's tokens
     first where the model has ``ref_conv`` (unpooled); with a ``denoise_mask`` (Wan 2.2's
     image to video: the first frame is the given image, at timestep 0) the first frame kept
-    whole; ``time_dim_concat`` frames after the video (unpooled). A sequence as long as the
+    whole; ``time_dim_concat`` frames after the video, then v0.30.0's in-context references
+    (``context_latents``, each its own grid), unpooled. A sequence as long as the
     text (or an image prompt's ``clip_fea``) cannot be told from cross-attention by its
     lengths: None (not pooled)."""
     if x.dim() != 5:
@@ -50,6 +51,7 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
         before, frames = before + h * w, frames - 1  # Wan 2.2 TI2V: the image's frame
     extra = conds.get("time_dim_concat")
     after = tokens(extra, (pt, ph, pw))[0] * h * w if isinstance(extra, torch.Tensor) else 0
+    after += sum(math.prod(tokens(c, (pt, ph, pw))) for c in conds.get("context_latents") or ())
     keys = [t.shape[-2] for t in (context, conds.get("clip_fea")) if isinstance(t, torch.Tensor)]
     if before + frames * h * w + after in keys:
         return None

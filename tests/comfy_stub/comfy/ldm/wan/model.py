@@ -4,7 +4,9 @@ transformer_options, **kwargs)`` runs the ``diffusion_model`` wrappers around ``
 the latent ``[B, C, T, H, W]`` is padded to the ``(1, 2, 2)`` patch and embedded by a 3-D
 convolution into frame-major tokens (``T x ceil(H/2) x ceil(W/2)``); ``time_dim_concat``
 frames are appended to the latent first; a model with ``ref_conv`` prepends the tokens of
-``reference_latent`` (``[B, C, H, W]``) and counts one more frame for RoPE.
+``reference_latent`` (``[B, C, H, W]``) and counts one more frame for RoPE; v0.30.0's
+in-context references (``context_latents``: latents ``[B, C, T, H, W]``, each padded and
+embedded like the video, its own RoPE grid) are appended after the video's tokens.
 
 Each block: self-attention over the video tokens only, queries and keys rotated (RoPE over
 frame, row, column) and flattened to ``[B, S, heads * D]``, called as
@@ -88,6 +90,9 @@ class WanModel(torch.nn.Module):
             if full_ref is not None:
                 full_ref = self.ref_conv(full_ref).flatten(2).transpose(1, 2)
                 x = torch.concat((full_ref, x), dim=1)
+        for lat in kwargs.get("context_latents") or ():
+            x = torch.cat([x, self.patch_embedding(lat.float()).to(x.dtype).flatten(2)
+                           .transpose(1, 2)], dim=1)
         context = self.text_embedding(context)
         transformer_options["total_blocks"] = len(self.blocks)
         transformer_options["block_type"] = "double"
@@ -126,6 +131,12 @@ class WanModel(torch.nn.Module):
         if self.ref_conv is not None and "reference_latent" in kwargs:
             t_len += 1
         freqs = self.rope_encode(t_len, h, w)
+        latents = [pad_to_patch_size(lat, self.patch_size)
+                   for lat in kwargs.pop("context_latents", None) or ()]
+        for lat in latents:
+            freqs = torch.cat([freqs, self.rope_encode(*lat.shape[-3:])], dim=1)
+        if latents:
+            kwargs["context_latents"] = latents
         return self.forward_orig(x, timestep, context, clip_fea=clip_fea, freqs=freqs,
                                  transformer_options=transformer_options,
                                  **kwargs)[:, :, :t, :h, :w]
