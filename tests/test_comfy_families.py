@@ -55,8 +55,11 @@ def _models():
     from comfy.ldm.aura.mmdit import MMDiT
     from comfy.ldm.chroma.model import Chroma
     from comfy.ldm.flux.model import Flux
+    from comfy.ldm.genmo.joint_model.asymm_models_joint import AsymmDiTJoint
+    from comfy.ldm.hidream.model import HiDreamImageTransformer2DModel
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
     from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
+    from comfy.ldm.omnigen.omnigen2 import OmniGen2Transformer2DModel
     flow = ModelSamplingDiscreteFlow
     return {
         "sd3": (OpenAISignatureMMDITWrapper, {}, lambda: flow(shift=3.0), (1, 4, 16, 24),
@@ -75,12 +78,27 @@ def _models():
                    "comfy.ldm.flux.math"),
         "flux2": (Flux, {"patch_size": 1, "global_modulation": True},
                   lambda: ModelSamplingFlux(shift=1.15), (1, 4, 8, 12),
-                  "comfy.ldm.flux.math")}
+                  "comfy.ldm.flux.math"),
+        "hidream": (HiDreamImageTransformer2DModel, {}, lambda: flow(shift=3.0),
+                    (1, 4, 16, 23), "comfy.ldm.hidream.model"),
+        "mochi": (AsymmDiTJoint, {}, lambda: flow(shift=6.0, multiplier=1.0),
+                  (1, 4, 3, 16, 24), "comfy.ldm.genmo.joint_model.asymm_models_joint"),
+        "omnigen2": (OmniGen2Transformer2DModel, {}, lambda: flow(shift=3.0, multiplier=1.0),
+                     (1, 4, 16, 24), "comfy.ldm.omnigen.omnigen2")}
+
+
+def conds_of(family):
+    """What the model base hands each family besides the text: HiDream's Llama layers
+    (``[B, layers, L, D]``: 3 layers of 4 tokens), Mochi's count of real text tokens."""
+    g = torch.Generator().manual_seed(2)
+    return {"hidream": {"encoder_hidden_states_llama3": torch.randn(1, 3, 4, 10, generator=g)},
+            "mochi": {"num_tokens": 3}, "omnigen2": {"num_tokens": TEXT}}.get(family, {})
 
 
 NAMES = {"sd3": "comfy sd3", "sd35": "comfy sd3", "aura": "comfy auraflow",
          "hunyuan": "comfy hunyuan-video", "hunyuan030": "comfy hunyuan-video",
-         "chroma": "comfy chroma", "flux2": "comfy flux 2"}
+         "chroma": "comfy chroma", "flux2": "comfy flux 2", "hidream": "comfy hidream",
+         "mochi": "comfy mochi", "omnigen2": "comfy omnigen2"}
 
 
 def dit_model(family):
@@ -100,7 +118,7 @@ def sample(patcher, family, seed=0, sigmas=None, **conds):
     ctx = torch.randn(1, TEXT, 12, generator=g)
     if sigmas is None:
         sigmas = simple_sigmas(patcher.get_model_object("model_sampling"), 4)
-    return dit_sample(patcher, noise, ctx, sigmas, **conds)
+    return dit_sample(patcher, noise, ctx, sigmas, **{**conds_of(family), **conds})
 
 
 def record(monkeypatch, family):
@@ -119,7 +137,8 @@ def record(monkeypatch, family):
         return out
 
     module = importlib.import_module(_models()[family][4])
-    monkeypatch.setattr(module, "optimized_attention", attention_pytorch)
+    name = "optimized_attention_masked" if family == "omnigen2" else "optimized_attention"
+    monkeypatch.setattr(module, name, attention_pytorch)
     return seen
 
 
@@ -162,9 +181,11 @@ def reference(q, k, v, heads, skip, start, grid, mask=None):
 
 
 def check_first_calls(monkeypatch, family, layouts, **conds):
-    """The model's first attention calls (``layouts``: per call its image start and grid),
-    unpooled and then through the node: each pooled call against ``reference`` over the
-    unpooled call's own inputs (its queries are the same: nothing before it was pooled)."""
+    """The model's first attention calls (``layouts``: per call its image start and grid, or
+    ``(index, start, grid)``), unpooled and then through the node: each pooled call against
+    ``reference`` over the unpooled call's own inputs (its queries are the same: nothing
+    before it was pooled); the calls before them that are not listed are not pooled."""
+    layouts = [x if len(x) == 3 else (i, *x) for i, x in enumerate(layouts)]
     base = dit_model(family)
     sigmas = torch.tensor([1.0, 0.0])  # one model call
     seen = record(monkeypatch, family)
@@ -173,7 +194,10 @@ def check_first_calls(monkeypatch, family, layouts, **conds):
     (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
     seen.clear()
     sample(ours, family, sigmas=sigmas, **conds)
-    for i, (start, grid) in enumerate(layouts):
+    for i in range(max(x[0] for x in layouts)):
+        if i not in [x[0] for x in layouts]:
+            assert torch.equal(seen[i][6], plain[i][6]) and seen[i][1].shape == plain[i][1].shape
+    for i, start, grid in layouts:
         q, k, v, mask, heads, skip, _ = plain[i]
         want, kp = reference(q, k, v, heads, skip, start, grid, mask)
         got_k, got = seen[i][1], seen[i][6]
@@ -301,3 +325,31 @@ def test_forge_neos_chroma_is_named_as_itself():
     assert dits.find(flux()).name == "forge neo flux"
     assert adapters.neo_form("forge neo chroma").points == \
         adapters.neo_form("forge neo flux").points
+
+
+def test_hidream_image_first_with_t5_and_two_llama_layers(monkeypatch, lines):
+    """[image, T5 + 2 Llama layers]: 5 + 2 x 4 text tokens after 8 x 12 image tokens."""
+    check_first_calls(monkeypatch, "hidream", [(0, (1, 8, 12))])
+
+
+def test_hidream_e1_edit_image_joined_along_the_width(monkeypatch, lines):
+    """E1: the edit image joined to the latent's right: one 8 x 16 grid (23 + 8 px wide)."""
+    cond = torch.randn(1, 4, 16, 8)
+    plain, _ = check_first_calls(monkeypatch, "hidream", [(0, (1, 8, 16))], image_cond=cond)
+    assert plain[0][1].shape[1] == 8 * 16 + TEXT + 2 * 4
+
+
+def test_mochi_video_first_and_text_cropped(monkeypatch, lines):
+    """[video, text[:num_tokens]]: 3 frames of 8 x 12, then 3 of the 5 text tokens."""
+    plain, _ = check_first_calls(monkeypatch, "mochi", [(0, (3, 8, 12))])
+    assert plain[0][1].shape[2] == 3 * 8 * 12 + 3
+
+
+def test_omnigen2_text_then_references_then_image(monkeypatch, lines):
+    """The text, ref and noise refiners' own calls stay whole with references (the noise
+    refiner's is pooled without: it is then as long as the image); the joint call [text,
+    references, image] is pooled after the references."""
+    refs = [torch.randn(1, 4, 8, 12), torch.randn(1, 4, 5, 5)]
+    check_first_calls(monkeypatch, "omnigen2", [(3, TEXT + 24 + 9, (1, 8, 12))],
+                      ref_latents=refs)
+    check_first_calls(monkeypatch, "omnigen2", [(1, 0, (1, 8, 12))])
