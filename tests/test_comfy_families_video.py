@@ -327,15 +327,17 @@ def test_video_families_are_read_and_place_only_what_they_can_tell_apart():
     assert list(dits.find(one).read(one)[1]) == list(one.blocks.values())  # a ModuleDict
     video, text = torch.zeros(1, 8, 3, 6, 5), torch.zeros(1, 5, 12)
     model = ltxv("0.8.0")
-    assert comfy_ltxv.spans(model, video, text, {}) == (0, True, 0, 3, 6, 5, 0)
+    assert comfy_ltxv.spans(model, video, text, {}) == (0, True, 0, 3, 6, 5, 0, (5,))
     assert comfy_ltxv.spans(model, video, text, {"keyframe_idxs": torch.zeros(1, 3, 7, 2)}) \
         is None  # guide tokens that are not whole frames
     assert comfy_ltxv.spans(model, video, torch.zeros(1, 90, 12), {}) is None  # text as long
     assert comfy_cosmos.spans(cosmos("0.8.0", 2), torch.zeros(1, 4, 2, 7, 9), text, {}) \
-        == (0, True, 0, 2, 4, 5, 0)
+        == (0, True, 0, 2, 4, 5, 0, (5,))
+    assert comfy_cosmos.spans(cosmos("0.8.0", 2), torch.zeros(1, 4, 2, 7, 9), text,
+                              {"t5xxl_ids": torch.zeros(1, 30)})[-1] == (5, 512)  # Anima
     k5 = kandinsky("0.8.0")
     assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 10, 14), text, {}) \
-        == (0, True, 0, 1, 5, 7, 0)
+        == (0, True, 0, 1, 5, 7, 0, (5,))
     assert comfy_kandinsky.spans(k5, torch.zeros(1, 4, 4, 6), torch.zeros(1, 6, 12), {}) is None
 
 
@@ -370,4 +372,49 @@ def test_wan_in_context_references_stay_whole_against_a_hand_written_reference(
     want = one_call(base, noise, ctx, **conds)
     assert sorted(set(seen)) == [(5, None), (60, 0)]
     assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+LONG_TEXT = {  # name: (model, latent, layout by key length, grid)
+    "ltx-video": (lambda: ltxv("0.30.0"), (1, 8, 3, 6, 5), "ltx-video", {90: 0}, (3, 6, 5)),
+    "cosmos 2": (lambda: cosmos("0.30.0", 2), (1, 4, 2, 7, 9), "cosmos 2", {40: 0}, (2, 4, 5)),
+    "kandinsky 5": (lambda: kandinsky("0.30.0"), (1, 4, 3, 6, 8), "kandinsky 5", {36: 0},
+                    (3, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG_TEXT))
+def test_a_text_longer_than_the_video_is_cross_attention_not_extra_keys(monkeypatch, lines,
+                                                                        case):
+    """120 text tokens, fewer video tokens: the cross-attention's keys are longer than its
+    queries, like a self-attention with extra keys; the spans' ``cross`` keeps it whole
+    (it was pooled as the video's keys before)."""
+    make, shape, module, layout, grid = LONG_TEXT[case]
+    base = patcher(make())
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(shape, generator=g), torch.randn(1, 120, 12, generator=g)
+    out = one_call(pooled(base), noise, ctx)
+    seen = []
+    module, names = attention_modules()[module]
+    for attr in names:
+        monkeypatch.setattr(module, attr, reference_backend(layout, grid, 2, True, seen))
+    want = one_call(base, noise, ctx)
+    assert (120, None) in seen
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_wan_text_longer_than_the_video_is_cross_attention(monkeypatch, lines):
+    """Wan's 512-token text against a small video: its cross-attention stays whole."""
+    import comfy.ldm.wan.model as wan_model
+    from comfy.ldm.wan.model import WanModel
+    torch.manual_seed(0)
+    base = patcher(WanModel(), shift=8.0, multiplier=1000)
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 2, 6, 8, generator=g), torch.randn(1, 40, 12, generator=g)
+    out = one_call(pooled(base), noise, ctx)
+    seen = []
+    monkeypatch.setattr(wan_model, "optimized_attention",
+                        reference_backend({24: 0}, (2, 3, 4), 2, True, seen))
+    want = one_call(base, noise, ctx)
+    assert sorted(set(seen)) == [(24, 0), (40, None)]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -65,6 +65,7 @@ class Spans(NamedTuple):
     h: int
     w: int
     after: int = 0     # tokens after the image (Kontext / Qwen-Image edit references): unpooled
+    cross: tuple = ()  # cross-attention's key lengths (text, image prompt): never extra keys
 
     @property
     def image(self) -> int:
@@ -74,16 +75,13 @@ class Spans(NamedTuple):
         """Where the image starts in a self-attention call of ``length`` tokens (joint or
         image-only), or None where the call is not one of this model call's sequences;
         ``whole``: joint calls only where the family has text (Forge Neo's Lumina runs
-        refiner blocks over the image alone, which stay unpooled). Where the family has text,
-        an image-only call as long as the text is not placed: it cannot be told from the
-        text's own self-attention (ComfyUI's Lumina refines the caption alone, then the
-        image alone)."""
+        refiner blocks over the image alone, which stay unpooled); an image-only call as long
+        as the text is not placed (ComfyUI's Lumina refines the caption alone, then the image)."""
         core = self.before + self.image + self.after
         if self.text and length == self.text + core:
             return self.before + (self.text if self.text_first else 0)
-        if length != core or (self.text and (whole or length == self.text)):
-            return None
-        return self.before
+        alone = length == core and not (self.text and (whole or length == self.text))
+        return self.before if alone else None
 
 
 class CallState(NamedTuple):
@@ -123,8 +121,9 @@ class CallState(NamedTuple):
     def start(self, queries: int, keys: int, whole: bool = False) -> int | None:
         """Where the image keys start in an attention call of these lengths (keys as long as
         the queries, or longer: ``percall_calls.key_start``), or None: not a self-attention
-        over this call's sequence (cross-attention, another length)."""
-        return key_start(self.spans, queries, keys, whole)
+        over this call's sequence (cross-attention: also keys as long as ``spans.cross``)."""
+        cross = keys != queries and keys in self.spans.cross
+        return None if cross else key_start(self.spans, queries, keys, whole)
 
 
 # ----------------------------------------------------------------------------- the bracket

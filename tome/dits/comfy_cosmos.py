@@ -35,14 +35,19 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the video's tokens alone (the latent padded up to whole
     patches). A video as long as the text (cross-attention could not be told apart) is not
-    placed."""
+    placed; the text's length is the cross-attention's (``cross``; Anima's adapter pads its
+    text to at least 512 tokens where the call carries ``t5xxl_ids``)."""
     if x.dim() != 5:
         return None
     pt, ps = int(model.patch_temporal), int(model.patch_spatial)
     frames, h, w = (math.ceil(int(s) / p) for s, p in zip(x.shape[-3:], (pt, ps, ps)))
-    if isinstance(context, torch.Tensor) and int(context.shape[-2]) == frames * h * w:
+    cross = (int(context.shape[-2]),) if isinstance(context, torch.Tensor) else ()
+    ids = conds.get("t5xxl_ids")  # Anima outside inference mode: its adapter's text
+    if isinstance(ids, torch.Tensor):
+        cross += (max(512, int(ids.shape[-1])),)
+    if frames * h * w in cross:
         return None
-    return (0, True, 0, frames, h, w, 0)
+    return (0, True, 0, frames, h, w, 0, cross)
 
 
 FAMILY = Family("comfy cosmos", recognise, read, host=HostPoint(COMFYUI, spans))

@@ -31,15 +31,17 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the visual tokens alone (the latent padded up to whole
     patches). Visual tokens as many as the text's (its self-attention and the
-    cross-attention could not be told apart) are not placed."""
+    cross-attention could not be told apart) are not placed; the text's length is the
+    cross-attention's (``cross``), also where it is longer."""
     if x.dim() not in (4, 5):
         return None
     patch = tuple(int(p) for p in getattr(model, "patch_size", (1, 2, 2)))
     sides = (1, *x.shape[-2:]) if x.dim() == 4 else x.shape[-3:]
     frames, h, w = (math.ceil(int(s) / p) for s, p in zip(sides, patch))
-    if isinstance(context, torch.Tensor) and int(context.shape[-2]) == frames * h * w:
+    cross = (int(context.shape[-2]),) if isinstance(context, torch.Tensor) else ()
+    if frames * h * w in cross:
         return None
-    return (0, True, 0, frames, h, w, 0)
+    return (0, True, 0, frames, h, w, 0, cross)
 
 
 FAMILY = Family("comfy kandinsky 5", recognise, read, host=HostPoint(COMFYUI, spans))

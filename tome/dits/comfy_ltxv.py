@@ -36,7 +36,8 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     tokens (``keyframe_idxs``) last and unpooled. A call whose guide tokens are not whole
     frames, or whose video is as long as the text (cross-attention could not be told
     apart), is not placed; a call whose tokens the model drops (a negative
-    ``denoise_mask``) has other lengths and is not pooled."""
+    ``denoise_mask``) has other lengths and is not pooled. The text's length is the
+    cross-attention's (``cross``), also where it is longer than the video."""
     if x.dim() != 5:
         return None
     f, h, w = (int(s) for s in x.shape[-3:])
@@ -45,9 +46,10 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     if after % (h * w) or after >= f * h * w:
         return None
     frames = f - after // (h * w)
-    if isinstance(context, torch.Tensor) and int(context.shape[-2]) == f * h * w:
+    cross = (int(context.shape[-2]),) if isinstance(context, torch.Tensor) else ()
+    if f * h * w in cross:
         return None
-    return (0, True, 0, frames, h, w, after)
+    return (0, True, 0, frames, h, w, after, cross)
 
 
 FAMILY = Family("comfy ltx-video", recognise, read, host=HostPoint(COMFYUI, spans))

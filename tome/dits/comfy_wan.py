@@ -34,7 +34,8 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     whole; ``time_dim_concat`` frames after the video, then v0.30.0's in-context references
     (``context_latents``, each its own grid), unpooled. A sequence as long as the
     text (or an image prompt's ``clip_fea``) cannot be told from cross-attention by its
-    lengths: None (not pooled)."""
+    lengths: None (not pooled); those lengths are the call's cross-attention (``cross``:
+    a text longer than the video is not self-attention with extra keys)."""
     if x.dim() != 5:
         return None
     pt, ph, pw = (int(v) for v in getattr(model, "patch_size", (1, 2, 2)))
@@ -52,10 +53,11 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     extra = conds.get("time_dim_concat")
     after = tokens(extra, (pt, ph, pw))[0] * h * w if isinstance(extra, torch.Tensor) else 0
     after += sum(math.prod(tokens(c, (pt, ph, pw))) for c in conds.get("context_latents") or ())
-    keys = [t.shape[-2] for t in (context, conds.get("clip_fea")) if isinstance(t, torch.Tensor)]
+    keys = tuple(int(t.shape[-2]) for t in (context, conds.get("clip_fea"))
+                 if isinstance(t, torch.Tensor))
     if before + frames * h * w + after in keys:
         return None
-    return (0, True, before, frames, h, w, after)
+    return (0, True, before, frames, h, w, after, keys)
 
 
 FAMILY = Family("comfy wan", recognise, read, host=HostPoint(COMFYUI, spans))
