@@ -271,7 +271,9 @@ VIDEO_CASES = {
     "ltx-video guided": (ltxv, "comfy ltx-video", (1, 8, 3, 6, 5), (2, 6, 5), 30,
                          {"keyframe_idxs": GUIDES}),
     "cosmos 1": (lambda v: cosmos(v, 1), "comfy cosmos", (1, 4, 2, 8, 10), (2, 4, 5), 0, {}),
-    "cosmos 2": (lambda v: cosmos(v, 2), "comfy cosmos", (1, 4, 2, 7, 9), (2, 4, 5), 0, {}),
+    "cosmos 2": (lambda v: cosmos(v, 2), "comfy cosmos", (1, 4, 2, 8, 10), (2, 4, 5), 0, {}),
+    "cosmos 2 padded": (lambda v: cosmos(v, 2), "comfy cosmos", (1, 4, 2, 7, 9), (2, 4, 5), 0,
+                        {}),  # v0.30.0 pads to whole patches, 0.8.0 asserts them
     "kandinsky 5": (kandinsky, "comfy kandinsky 5", (1, 4, 3, 6, 8), (3, 3, 4), 0, {}),
     "kandinsky 5 image": (kandinsky, "comfy kandinsky 5", (1, 4, 10, 14), (1, 5, 7), 0, {}),
 }
@@ -286,6 +288,8 @@ def test_image_only_self_attention_against_a_hand_written_reference(monkeypatch,
     guide frames after the video whole; the cross-attention to the text and Kandinsky's
     text self-attention whole."""
     make, name, shape, grid, after, conds = VIDEO_CASES[case]
+    if case == "cosmos 2 padded" and version == "0.8.0":
+        pytest.skip("ComfyUI 0.8.0's predict2 takes whole patches only")
     base = patcher(make(version))
     g = torch.Generator().manual_seed(1)
     noise, ctx = torch.randn(shape, generator=g), torch.randn(1, 5, 12, generator=g)
@@ -294,7 +298,7 @@ def test_image_only_self_attention_against_a_hand_written_reference(monkeypatch,
     assert lines[0].startswith(f"ToMe: {name} DiT, downsample x2")
     tokens = math.prod(grid) + after
     seen = []
-    module, names = attention_modules()[case.replace(" guided", "")]
+    module, names = attention_modules()[case.replace(" guided", "").replace(" padded", "")]
     for attr in names:
         monkeypatch.setattr(module, attr,
                             reference_backend({tokens: 0}, grid, 2, proportional, seen))

@@ -5,13 +5,13 @@ their code).
 ``forward(x, timesteps, context, fps=None, padding_mask=None, **kwargs)`` (its
 ``transformer_options`` among the keywords) runs the ``diffusion_model`` wrappers around
 ``_forward``: the latent ``[B, C, T, H, W]`` is padded to ``(patch_temporal, patch_spatial,
-patch_spatial)`` and embedded (a zero padding-mask channel added) into a ``[B, T, H, W, D]``
-grid, flattened frame-major for attention. Each block: self-attention over the video tokens
-alone, then cross-attention to the text, both through ``torch_attention_op``: ``[B, S, heads,
-D]`` queries and keys (rotated in self-attention) moved to ``[B, heads, S, D]`` and passed
-as ``optimized_attention(q, k, v, heads, skip_reshape=True, transformer_options=...)``;
-v0.30.0 sets ``transformer_options["block_index"]`` per block (no ``block_type``), 0.8.0
-nothing."""
+patch_spatial)`` in v0.30.0 (0.8.0 requires whole patches: an assertion) and embedded (a zero
+padding-mask channel added) into a ``[B, T, H, W, D]`` grid, flattened frame-major for
+attention. Each block: self-attention over the video tokens alone, then cross-attention to
+the text, both through ``torch_attention_op``: ``[B, S, heads, D]`` queries and keys
+(rotated in self-attention) moved to ``[B, heads, S, D]`` and passed as
+``optimized_attention(q, k, v, heads, skip_reshape=True, transformer_options=...)``; v0.30.0
+sets ``transformer_options["block_index"]`` per block (no ``block_type``), 0.8.0 nothing."""
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,8 @@ class MiniTrainDIT(torch.nn.Module):
     def _forward(self, x, timesteps, context, fps=None, padding_mask=None, **kwargs):
         orig = x.shape
         pt, ps = self.patch_temporal, self.patch_spatial
+        if self.version == "0.8.0":
+            assert x.shape[-1] % ps == 0 and x.shape[-2] % ps == 0, "whole patches only"
         x = F.pad(x, (0, (-x.shape[-1]) % ps, 0, (-x.shape[-2]) % ps, 0, (-x.shape[-3]) % pt),
                   mode="replicate")
         if self.concat_padding_mask:
