@@ -11,8 +11,9 @@ Shapes (each model's config as ComfyUI's detection reads it): Lumina-Image 2.0 2
 heads, Gemma-2 text (256 tokens), joint [text, image]; Z-Image 3840 wide, 30 heads, Qwen3 text
 (256 tokens), caption and image padded to 32, joint; LTX-Video 2048 wide, 32 heads, VAE 32x
 in space and 8x in time, patch 1, video-only self-attention; Cosmos predict2 2B 2048 wide, 16
-heads, Wan VAE (8x, 4x), patch 2, image/video-only; Kandinsky 5 lite 1792 wide, 28 heads of
-64, VAE 8x (video: 4x in time), patch 2, visual-only.
+heads, Wan VAE (8x, 4x), patch 2, image/video-only; Kandinsky 5 video lite 1792 wide, 28 heads
+of 64, and Kandinsky 5 image 2560 wide, 20 heads of 128, VAE 8x (video: 4x in time), patch 2,
+visual-only.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ SHAPES = {
     "ltxv": Shape(32, 64, 0, 32, 8),
     "cosmos2": Shape(16, 128, 0, 16),
     "kandinsky5": Shape(28, 64, 0, 16),
+    "kandinsky5-image": Shape(20, 128, 0, 16),
 }
-IMAGE_CALLS = ("lumina2", "z-image", "cosmos2", "kandinsky5")
+IMAGE_CALLS = ("lumina2", "z-image", "cosmos2", "kandinsky5-image")
 VIDEO_CALLS = ("ltxv", "cosmos2", "kandinsky5")
 
 
