@@ -10,7 +10,13 @@ self-attention over the video tokens alone, queries and keys rotated, ``[B, S, h
 ``optimized_attention(q, k, v, heads, transformer_options=...)`` (no mask, no block index);
 then cross-attention to the text (the conditioning's ``attention_mask``, where one is given,
 as ``optimized_attention_masked(q, k, v, heads, mask, ...)`` in 0.8.0 and
-``optimized_attention(q, k, v, heads, mask=mask, ...)`` in v0.30.0)."""
+``optimized_attention(q, k, v, heads, mask=mask, ...)`` in v0.30.0). v0.30.0's guide
+attention (``guide_attention_entries`` with a strength other than 1, guide frames given):
+the self-attention's queries split in two calls against all keys, the video's queries with
+``log(strength)`` on the guide keys (``[1, 1, 1, keys]``), the guides' with it on the video
+keys (``[1, 1, guide tokens, keys]``)."""
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +24,25 @@ import torch.nn.functional as F
 import comfy.ldm.modules.attention
 import comfy.patcher_extension
 from comfy.ldm.flux.math import EmbedND, apply_rope1, timestep_embedding
+
+
+class GuideAttentionMask:
+    def __init__(self, total, guide_start, strength):
+        tracked = total - guide_start
+        self.guide_start, self.tracked_count = guide_start, tracked
+        self.noisy_mask = torch.zeros(1, 1, 1, total)
+        self.noisy_mask[..., guide_start:] = math.log(strength)
+        self.tracked_mask = torch.zeros(1, 1, tracked, total)
+        self.tracked_mask[..., :guide_start] = math.log(strength)
+
+
+def _attention_with_guide_mask(q, k, v, heads, mask, transformer_options):
+    attention, g = comfy.ldm.modules.attention, mask.guide_start
+    return torch.cat([
+        attention.optimized_attention(q[:, :g], k, v, heads, mask=mask.noisy_mask,
+                                      transformer_options=transformer_options),
+        attention.optimized_attention(q[:, g:], k, v, heads, mask=mask.tracked_mask,
+                                      transformer_options=transformer_options)], 1)
 
 
 class CrossAttention(torch.nn.Module):
@@ -41,6 +66,8 @@ class CrossAttention(torch.nn.Module):
         if mask is None:
             out = attention.optimized_attention(q, k, v, self.heads,
                                                 transformer_options=transformer_options)
+        elif isinstance(mask, GuideAttentionMask):
+            out = _attention_with_guide_mask(q, k, v, self.heads, mask, transformer_options)
         elif self.version == "0.8.0":
             out = attention.optimized_attention_masked(q, k, v, self.heads, mask,
                                                        transformer_options=transformer_options)
@@ -59,9 +86,10 @@ class BasicTransformerBlock(torch.nn.Module):
         self.scale = torch.nn.Linear(dim, dim)
 
     def forward(self, x, context=None, attention_mask=None, timestep=None, pe=None,
-                transformer_options={}):  # noqa: B006
+                transformer_options={}, self_attention_mask=None):  # noqa: B006
         h = F.layer_norm(x, x.shape[-1:]) * (1 + self.scale(timestep)[:, None])
-        x = x + self.attn1(h, pe=pe, transformer_options=transformer_options)
+        x = x + self.attn1(h, mask=self_attention_mask, pe=pe,
+                           transformer_options=transformer_options)
         x = x + self.attn2(x, context=context, mask=attention_mask,
                            transformer_options=transformer_options)
         return x + self.ff(F.gelu(F.layer_norm(x, x.shape[-1:])))
@@ -77,6 +105,7 @@ class LTXVModel(torch.nn.Module):
         self.transformer_blocks = torch.nn.ModuleList(
             [BasicTransformerBlock(dim, heads, dim, version) for _ in range(num_layers)])
         self.proj_out = torch.nn.Linear(dim, in_channels)
+        self.version = version
         d = dim // heads
         self.rope = EmbedND([d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)])
 
@@ -99,7 +128,14 @@ class LTXVModel(torch.nn.Module):
         pe = self.rope(ids)
         t = self.time_proj(timestep_embedding(timestep.flatten(), 16, time_factor=1.0))
         context = self.caption_projection(context)
+        guides, guide_mask = kwargs.get("guide_attention_entries"), None
+        if self.version != "0.8.0" and guides and keyframe_idxs is not None \
+                and guides[0]["strength"] != 1.0:
+            guide_mask = GuideAttentionMask(tokens.shape[1],
+                                            tokens.shape[1] - keyframe_idxs.shape[2],
+                                            guides[0]["strength"])
         for block in self.transformer_blocks:
             tokens = block(tokens, context=context, attention_mask=attention_mask,
-                           timestep=t, pe=pe, transformer_options=transformer_options)
+                           timestep=t, pe=pe, transformer_options=transformer_options,
+                           self_attention_mask=guide_mask)
         return self.proj_out(tokens).transpose(1, 2).reshape(b, c, f, h, w)
