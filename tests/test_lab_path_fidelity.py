@@ -1,7 +1,7 @@
 """The lab's path comparison (``tome_lab/path_fidelity.py``): the tiny DiT's weights sampled
 through ComfyUI's path (a ``ModelPatcher`` clone patched by the library, the attention
 override per model call, residual reuse reset by the run callbacks) and through the
-diffusers path (``tome.apply_patch``), at a tiny size (32 px, 6 Euler steps, one image)."""
+diffusers path (``tome.apply_patch``), at tiny sizes (32 px, 4-6 Euler steps, one image)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,15 @@ def test_the_comfyui_form_calls_attention_through_the_override():
     tokens = 4 + 8 * 8  # text, then the 16 px image packed 2x2
     assert seen == [("double", i, 4, 3, tokens, True, "attention_pytorch") for i in range(3)] + \
         [("single", i, 4, 3, tokens, True, "attention_pytorch") for i in range(3)]
+
+
+def test_with_guidance_cond_and_uncond_in_one_call_agree_too():
+    """Classifier-free guidance (cond and uncond batched in one call, ``cond_or_uncond`` [0,
+    1]; the diffusers sampler batches the null class alike): unpatched the same image, and the
+    quality preset's ComfyUI image the diffusers path's with ``rope="before"``."""
+    from tome_lab import path_fidelity
+    result = path_fidelity.compare([(2, 1)], steps=4, size=32, presets=("quality",),
+                                   guidance=3.0)
+    (row,) = result["rows"]
+    assert result["unpatched"] < 1e-5 and row["pixels"] < 1e-4
+    assert abs(row["comfyui"] - row["before"]) < 0.5

@@ -248,29 +248,37 @@ def comfy_model(weights: str | None = None) -> tuple[ModelPatcher, nn.Module]:
 
 @torch.no_grad()
 def comfy_sample(patcher: OlderPatcher, table: nn.Module, classes, seed: int = 0,
-                 steps: int = 20, size: int = 64) -> torch.Tensor:
-    """``tinydit.sample`` as ComfyUI's KSampler runs it (Euler, cfg 1: one model call per
-    step): the run callbacks around the steps (cleanup in ``finally``), per step fresh
-    ``transformer_options`` with the patcher's wrappers, ``sigmas`` and ``cond_or_uncond``,
-    ``apply_model(x, sigma, None, context, None, options, y=pooled)``; the same noise, sigmas
-    (``tinydit.model.schedule``) and output range as ``tinydit.sample``."""
-    from .tinydit.model import TEXT_TOKENS, schedule
+                 steps: int = 20, size: int = 64, guidance: float = 1.0) -> torch.Tensor:
+    """``tinydit.sample`` as ComfyUI's KSampler runs it (Euler; cfg 1: one model call per
+    step, else cond and uncond batched in one call, ``cond_or_uncond`` [0, 1], mixed on the
+    denoised latents): the run callbacks around the steps (cleanup in ``finally``), per step
+    fresh ``transformer_options`` with the patcher's wrappers, ``sigmas`` and
+    ``cond_or_uncond``, ``apply_model(x, sigma, None, context, None, options, y=pooled)``;
+    the same noise, sigmas (``tinydit.model.schedule``) and output range as
+    ``tinydit.sample`` (whose ``guidance`` batches the null class alike)."""
+    from .tinydit.model import NULL, TEXT_TOKENS, schedule
     g = torch.Generator().manual_seed(seed)
     cls = torch.as_tensor(classes, dtype=torch.long)
-    x = torch.randn((len(cls), 3, size, size), generator=g)
-    context = table.text(cls).view(len(cls), TEXT_TOKENS, -1)
-    pooled = table.pooled(cls)
+    b = len(cls)
+    x = torch.randn((b, 3, size, size), generator=g)
+    both = cls if guidance == 1.0 else torch.cat([cls, torch.full_like(cls, NULL)])
+    context = table.text(both).view(len(both), TEXT_TOKENS, -1)
+    pooled = table.pooled(both)
+    who = [0] * b + ([] if guidance == 1.0 else [1] * b)
     sigmas = schedule(steps)
     x = x * sigmas[0]
     base = patcher.model
     patcher.run_callbacks("on_pre_run")
     try:
         for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-            sigma = s.expand(len(cls))
+            sigma = s.expand(len(both))
             options = {**patcher.model_options["transformer_options"],
-                       "wrappers": patcher.wrappers, "sigmas": sigma,
-                       "cond_or_uncond": [0] * len(cls)}
-            denoised = base.apply_model(x, sigma, None, context, None, options, y=pooled)
+                       "wrappers": patcher.wrappers, "sigmas": sigma, "cond_or_uncond": who}
+            xs = x if guidance == 1.0 else torch.cat([x, x])
+            denoised = base.apply_model(xs, sigma, None, context, None, options, y=pooled)
+            if guidance != 1.0:
+                cond, uncond = denoised.chunk(2)
+                denoised = uncond + guidance * (cond - uncond)
             x = x + (x - denoised) / s * (s_next - s)
     finally:
         patcher.run_callbacks("on_cleanup")
@@ -292,7 +300,7 @@ def _diffusers(model: nn.Module, config: Any):
 
 def compare(images: list[tuple[int, int]], steps: int = 20, size: int = 64,
             presets: tuple[str, ...] = PRESETS, progress=None,
-            weights: str | None = None) -> dict[str, Any]:
+            weights: str | None = None, guidance: float = 1.0) -> dict[str, Any]:
     """Each preset (``policy="fixed"``) through both paths on ``images`` ((class, seed)
     pairs). ``{"unpatched": the largest pixel difference of the two paths' unpatched images,
     "rows": [...]}``, a row per preset: PSNR (dB, each path against its own unpatched images)
@@ -310,15 +318,15 @@ def compare(images: list[tuple[int, int]], steps: int = 20, size: int = 64,
 
     def diffusers(config: Any) -> list[torch.Tensor]:
         with _diffusers(model, config):
-            return [tinydit.sample(model, [cls], seed=seed, steps=steps, size=size)[0]
-                    for cls, seed in images]
+            return [tinydit.sample(model, [cls], seed=seed, steps=steps, size=size,
+                                   guidance=guidance)[0] for cls, seed in images]
 
     def comfyui(config: Any, on: OlderPatcher = patcher) -> tuple[list[torch.Tensor], list]:
         clone, limits = on, []
         if config is not None:
             clone, _ = adapters.patch_model_patcher(on, config)
             limits = list(getattr(getattr(clone, MARK, None), "limits", None) or [])
-        return [comfy_sample(clone, table, [cls], seed, steps, size)[0]
+        return [comfy_sample(clone, table, [cls], seed, steps, size, guidance)[0]
                 for cls, seed in images], limits
 
     def psnr(imgs: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -364,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seeds", default="0,4")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--guidance", type=float, default=1.0,
+                   help="classifier-free guidance (above 1: cond and uncond in one call)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     images = [(c, int(s) + k) for s in a.seeds.split(",") for k, c in enumerate((0, 1, 2, 3))]
@@ -371,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(f"\r{msg:<40}", end="", file=sys.stderr, flush=True)
 
-    result = compare(images, a.steps, progress=progress)
+    result = compare(images, a.steps, progress=progress, guidance=a.guidance)
     print(file=sys.stderr)
-    print(f"Tiny DiT, {len(images)} images, {a.steps} Euler steps, 64 px, fp32; PSNR of each "
-          "path against its own unpatched images.\n")
+    print(f"Tiny DiT, {len(images)} images, {a.steps} Euler steps, guidance {a.guidance:g}, "
+          "64 px, fp32; PSNR of each path against its own unpatched images.\n")
     print(table(result))
     return 0
 
