@@ -143,8 +143,11 @@ def record(monkeypatch, family):
 
 
 def heads_first(t, heads, skip):
-    """``[B, heads, S, D]`` of a backend's input in either ComfyUI layout."""
-    return t if skip else t.unflatten(-1, (heads, -1)).transpose(1, 2)
+    """``[B, heads, S, D]`` of a backend's input in either ComfyUI layout (SD3's values
+    ``[B, S, heads, D]``)."""
+    if skip:
+        return t
+    return (t if t.dim() == 4 else t.unflatten(-1, (heads, -1))).transpose(1, 2)
 
 
 def reference(q, k, v, heads, skip, start, grid, mask=None):
@@ -353,3 +356,17 @@ def test_omnigen2_text_then_references_then_image(monkeypatch, lines):
     check_first_calls(monkeypatch, "omnigen2", [(3, TEXT + 24 + 9, (1, 8, 12))],
                       ref_latents=refs)
     check_first_calls(monkeypatch, "omnigen2", [(1, 0, (1, 8, 12))])
+
+
+def test_sd3_values_4d_through_a_kernel_without_masks(monkeypatch, lines):
+    """SD3's values reach the backend ``[B, S, heads, D]`` (q and k flattened): the bias
+    rides on the extra channel through a kernel that drops masks (Sage's) and gives the
+    latent the masked kernel gives."""
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+    from comfy.ldm.modules import attention as comfy_attention
+    base = dit_model("sd3")
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED))
+    masked = sample(ours, "sd3")
+    monkeypatch.setattr(mmdit, "optimized_attention", comfy_attention.attention_sage)
+    torch.testing.assert_close(sample(ours, "sd3"), masked, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(sample(base, "sd3"), masked)

@@ -41,8 +41,8 @@ def wrap_attn(func):
 def _split(q, k, v, heads, skip_reshape):
     if skip_reshape:
         return q, k, v
-    b = q.shape[0]
-    return tuple(t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    b, d = q.shape[0], q.shape[-1] // heads  # the queries' head width for all three (SD3's
+    return tuple(t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))  # v is 4-D)
 
 
 def _out(out, skip_output_reshape):

@@ -11,7 +11,8 @@ reference MMDiT, the code A1111 runs too, with ComfyUI's attention call:
   (``SelfAttention``) has ``pre_attention`` / ``post_attention``) run as ``block(context, x,
   c=c_mod, use_checkpoint=..., transformer_options=...)``; the last context block is
   pre-only.
-- Joint attention (``block_mixing``): each side's q, k, v ``[B, S, heads * D]`` concatenated
+- Joint attention (``block_mixing``): each side's q, k ``[B, S, heads * D]`` and v ``[B, S,
+  heads, D]`` (the reference code's ``split_qkv``; ComfyUI's backends view it back) concatenated
   ``[context, x]`` and ``optimized_attention(q, k, v, heads=..., transformer_options=...)``;
   no ``block_type`` / ``block_index`` in ``transformer_options``; the blocks never call attn1
   patches. ``register_length`` learned tokens go before the context (SD3 has none).
@@ -54,9 +55,9 @@ class SelfAttention(torch.nn.Module):
             self.proj = torch.nn.Linear(dim, dim)
         self.pre_only = pre_only
 
-    def pre_attention(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, -1)).movedim(2, 0)
-        return q, k, v
+    def pre_attention(self, x):  # q and k [B, S, heads * D], v [B, S, heads, D] (as upstream)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).movedim(2, 0)
+        return q.flatten(2), k.flatten(2), v
 
     def post_attention(self, x):
         return self.proj(x)
