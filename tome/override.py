@@ -22,6 +22,7 @@ model). Pure torch: nothing here imports ComfyUI.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -153,8 +154,8 @@ class OverridePatch(percall.Core):
 
     def _tell_chained(self, prev: Any) -> None:
         """One line per other override chained (another node's, before or after ours)."""
-        name = f"{getattr(prev, '__module__', None) or '?'}." \
-               f"{getattr(prev, '__qualname__', type(prev).__name__)}"
+        module = re.split(r"[\\/]", getattr(prev, "__module__", None) or "?")[-1]
+        name = f"{module}.{getattr(prev, '__qualname__', type(prev).__name__)}"  # no path
         if name not in self.pool.told and self.pool.say is not None:
             self.pool.told.add(name)
             self.pool.say(f"ToMe: another attention override is installed ({name}); ToMe "
