@@ -315,9 +315,10 @@ def test_hunyuan_spans_from_the_models_hints():
     assert hv.spans(video, torch.zeros(1, 16, 8, 8), ctx, {}) is None  # not 5-D
 
 
-def test_forge_neos_chroma_is_named_as_itself():
-    """Forge Neo's Chroma (a subclass of its Flux in Neo's package) is "forge neo chroma",
-    swapped at Flux's attention global; Neo's Flux stays "forge neo flux"."""
+def test_forge_neos_chroma_and_flux_2_are_named_as_themselves():
+    """Forge Neo's Chroma ("forge neo chroma", a subclass of its Flux in the stand-in) and
+    Flux 2 (Neo's Flux class with global modulation: "forge neo flux 2"), swapped at Flux's
+    attention global; Neo's Flux stays "forge neo flux"."""
     from tome import adapters
 
     flux = type("IntegratedFluxTransformer2DModel", (torch.nn.Module,),
@@ -326,6 +327,9 @@ def test_forge_neos_chroma_is_named_as_itself():
                   {"__module__": "backend.nn.chroma"})
     assert dits.find(chroma()).name == "forge neo chroma"
     assert dits.find(flux()).name == "forge neo flux"
+    flux2 = flux()
+    flux2.double_stream_modulation_img = torch.nn.Linear(2, 2)  # Klein's global modulation
+    assert dits.find(flux2).name == "forge neo flux 2"
     assert adapters.neo_form("forge neo chroma").points == \
         adapters.neo_form("forge neo flux").points
 

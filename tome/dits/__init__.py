@@ -62,6 +62,7 @@ from . import (
     mmdit,
     neo_chroma,
     neo_flux,
+    neo_flux2,
     neo_lumina,
     neo_nunchaku,
     neo_qwen,
@@ -144,6 +145,7 @@ BUILTIN = (
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
     neo_chroma,  # before Flux (its blocks)
+    neo_flux2,
     neo_flux,
     neo_wan,
     neo_qwen,

@@ -1,4 +1,4 @@
-"""Forge Neo's Flux and Flux2 (``backend.nn.flux``; Chroma's blocks too: ``neo_chroma``):
+"""Forge Neo's Flux (``backend.nn.flux``; Flux 2 and Chroma: ``neo_flux2``, ``neo_chroma``):
 ``double_blocks`` then ``single_blocks``, every block calling the module-level
 ``backend.nn.flux.attention(q, k, v, pe, mask=, transformer_options=)`` with ``[B, heads, S,
 D]`` queries and keys **before** RoPE and ``pe`` the rotation matrices (Chroma's blocks are
@@ -78,4 +78,4 @@ spans = image_spans(4)
 POINTS = (("backend.nn.flux", "attention", 2, (0, "pe"), (1, "mask")),)
 
 FAMILY = Family("forge neo flux", neo("IntegratedFluxTransformer2DModel"), read,
-                host=HostPoint(FORGE_NEO, spans, POINTS))  # Chroma: neo_chroma (tried first)
+                host=HostPoint(FORGE_NEO, spans, POINTS))  # Flux 2, Chroma: tried first
