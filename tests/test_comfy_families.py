@@ -313,6 +313,9 @@ def test_hunyuan_spans_from_the_models_hints():
         (11, True, 0, 2, 4, 5, 0)
     assert hv.spans(video, torch.zeros(1, 16, 1, 2, 14), ctx, {}) is None  # 7 tokens
     assert hv.spans(video, torch.zeros(1, 16, 8, 8), ctx, {}) is None  # not 5-D
+    # one token's side in 8 px latent pixels (the console's sizes): 1.0, 1.5, Image 2.1
+    assert [hv.pixels(SimpleNamespace(patch_size=p)) for p in
+            ([1, 2, 2], [1, 1, 1], [1, 1])] == [2, 2, 4]
 
 
 def test_forge_neos_chroma_and_flux_2_are_named_as_themselves():

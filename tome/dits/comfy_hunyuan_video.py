@@ -33,9 +33,17 @@ def text_first(model: nn.Module) -> bool:
     return not any(getattr(b, "flipped_img_txt", False) for b in blocks[:1])
 
 
+def pixels(model: nn.Module) -> int:
+    """``Dit.patch``: one token's side in the 8 px latent pixels the console's sizes count in:
+    1.0's 2x2 patch over an 8x latent 2; 1.5's (and the refiner's) patch 1 over a 16x latent
+    2; HunyuanImage 2.1's 2-D patch 1 over a 32x latent 4."""
+    patch = [int(p) for p in model.patch_size]
+    return patch[-1] if patch[-1] > 1 else 4 if len(patch) == 2 else 2
+
+
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return (Dit(int(list(model.patch_size)[-1]), text_first(model), 256, 1.0, True),
-            model.double_blocks, model.single_blocks)
+    return (Dit(pixels(model), text_first(model), 256, 1.0, True), model.double_blocks,
+            model.single_blocks)
 
 
 def _tokens(t: torch.Tensor, patch: list[int]) -> tuple[int, int, int]:
