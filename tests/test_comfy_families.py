@@ -377,3 +377,23 @@ def test_sd3_values_4d_through_a_kernel_without_masks(monkeypatch, lines):
     monkeypatch.setattr(mmdit, "optimized_attention", comfy_attention.attention_sage)
     torch.testing.assert_close(sample(ours, "sd3"), masked, atol=1e-5, rtol=1e-5)
     assert not torch.equal(sample(base, "sd3"), masked)
+
+
+@pytest.mark.parametrize("family", ["sd3", "aura", "hidream"])
+def test_a_host_that_names_no_block_runs_the_point_without_reuse(lines, family):
+    """SD3, AuraFlow and HiDream tell no call's block, and residual reuse is kept per block:
+    the quality point (x8, reuse every 5 steps) ran x8 on every step and said "residual
+    reuse". It runs the preset's point without reuse now (one kind of block: x2 from half
+    way), says reuse cannot apply, and gives that point's latent; HunyuanVideo (its blocks
+    named) still reuses."""
+    base = dit_model(family)
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(schedule="all:8", reuse=5, **FIXED))
+    assert lines[-1].endswith("residual reuse)") and "cannot apply" in lines[-1]
+    out = sample(ours, family)
+    assert "refreshed" not in lines[-1]
+    (point,) = nodes.ToMePatch().patch(base, **defaults(**{**FIXED, "schedule": "all:2@0.5-1"}))
+    assert torch.equal(out, sample(point, family))
+    hunyuan = dit_model("hunyuan")
+    (reused,) = nodes.ToMePatch().patch(hunyuan, **defaults(schedule="all:8", reuse=5, **FIXED))
+    sample(reused, "hunyuan")
+    assert "residual reuse refreshed at steps 0" in lines[-1]

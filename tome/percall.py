@@ -261,6 +261,7 @@ class Core:
                  rotated: bool = True, reuses: bool = False):
         self.layout, self.spans_of = layout, spans_of
         rope = layout.dit.rope and rotated
+        reuses = reuses and layout.dit.names_blocks  # reuse keeps residuals per named block
         applied = config if reuses else without_reuse(config, [b.kind for b in layout.blocks])
         self.applied = applied.replace(rope="before") if rope else applied
         self.limits = [x for x, on in (

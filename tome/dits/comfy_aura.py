@@ -4,9 +4,10 @@
 (a centred crop of a learned position table). The text is the conditioning behind the
 model's ``register_tokens`` (8 learned tokens); the latent ``[B, C, H, W]`` is padded to the
 patch (``ceil(H/p) x ceil(W/p)`` tokens, row-major); the timestep is the sigma. Its layers
-write no ``block_type`` / ``block_index``: every block shares one factor (a schedule whose
-blocks differ pools nothing here) and residual reuse, kept per block, does not apply. Its
-class is called ``MMDiT`` as A1111's SD3 is, with none of its structure."""
+write no ``block_type`` / ``block_index`` (``UnnamedDit``): every block shares one factor, so
+the double and single layers are read as one kind (a schedule whose blocks differ pools
+nothing here), and residual reuse, kept per block, does not apply (a preset runs its point
+without it). Its class is called ``MMDiT`` as A1111's SD3 is, with none of its structure."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
+from .family import COMFYUI, Family, HostPoint, UnnamedDit
 
 
 def recognise(module: nn.Module) -> bool:
@@ -25,9 +26,9 @@ def recognise(module: nn.Module) -> bool:
                                                 "register_tokens"))
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(int(model.patch_size), True, 256, 1000.0, False), model.double_layers, \
-        model.single_layers
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return (UnnamedDit(int(model.patch_size), True, 256, 1000.0, False),
+            [*model.double_layers, *model.single_layers], ())  # one kind: see the docstring
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

@@ -5,8 +5,9 @@ queries and keys rotated. The text every block sees: the T5 conditioning, the la
 layer's tokens and the block's own Llama layer's (``encoder_hidden_states_llama3``, ``[B,
 layers, L, D]``): ``T5 + 2 L``. E1's ``image_cond`` is joined to the latent along its width,
 so the grid is ``ceil(H/p) x ceil((W + W_cond)/p)`` (its tokens interleave with the image's
-row by row and are pooled with them). No ``block_type`` / ``block_index``: one factor shared
-by every block, no residual reuse. The timestep is ``sigma * 1000``."""
+row by row and are pooled with them). No ``block_type`` / ``block_index`` (``UnnamedDit``):
+one factor shared by every block (double and single read as one kind), no residual reuse (a
+preset runs its point without it). The timestep is ``sigma * 1000``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint, by_class
+from .family import COMFYUI, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
@@ -24,9 +25,9 @@ def recognise(module: nn.Module) -> bool:
         and by_class("HiDreamImageTransformer2DModel")(module)
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return (Dit(int(model.patch_size), False, 128 * 3, 1.0, True), model.double_stream_blocks,
-            model.single_stream_blocks)
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return (UnnamedDit(int(model.patch_size), False, 128 * 3, 1.0, True),
+            [*model.double_stream_blocks, *model.single_stream_blocks], ())  # one kind
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

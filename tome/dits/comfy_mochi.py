@@ -3,8 +3,8 @@ in 0.8.0 and v0.30): ``blocks``, each joint attention over **[video, text]**, th
 cropped to its real tokens (``num_tokens``, the text mask's count, 256 where none is given),
 ``[B, heads, S, D]``, video queries and keys rotated. The latent ``[B, C, T, H, W]``: each
 frame packed ``p x p`` (``H // p x W // p`` tokens, frame-major). No ``block_type`` /
-``block_index``: one factor shared by every block, no residual reuse. The timestep is the
-sigma."""
+``block_index`` (``UnnamedDit``): one factor shared by every block, no residual reuse (a
+preset runs its point without it). The timestep is the sigma."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint, by_class
+from .family import COMFYUI, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
     return type(module).__module__.startswith("comfy.") and by_class("AsymmDiTJoint")(module)
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(int(model.patch_size), False, 256, 1000.0, True), model.blocks, ()
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return UnnamedDit(int(model.patch_size), False, 256, 1000.0, True), model.blocks, ()
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

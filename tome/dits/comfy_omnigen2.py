@@ -4,8 +4,9 @@ the references' alone), then ``layers``, one stream over **[text, reference imag
 image]**, ``[B, heads, S, D]`` (fewer key heads: GQA), queries and keys rotated. The latent
 and each reference latent (``ref_latents``) padded to the patch (``ceil(H/p) x ceil(W/p)``
 tokens). The references are kept whole; the noise refiner's image-only call is pooled only
-where there are none (its length is then the image's). No ``block_type`` / ``block_index``:
-one factor shared by every block, no residual reuse. The timestep is the sigma."""
+where there are none (its length is then the image's). No ``block_type`` / ``block_index``
+(``UnnamedDit``): one factor shared by every block, no residual reuse (a preset runs its
+point without it). The timestep is the sigma."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint, by_class
+from .family import COMFYUI, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
@@ -23,8 +24,8 @@ def recognise(module: nn.Module) -> bool:
         and by_class("OmniGen2Transformer2DModel")(module)
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(int(model.patch_size), True, 256, 1000.0, True), (), model.layers
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return UnnamedDit(int(model.patch_size), True, 256, 1000.0, True), (), model.layers
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

@@ -5,8 +5,9 @@ RoPE), the model's ``register_length`` learned tokens before the context; SD3.5 
 blocks also run ``attn2``, a self-attention over the image alone (pooled as an image-only
 call). The latent ``[B, C, H, W]`` is padded to the patch (``ceil(H/p) x ceil(W/p)`` tokens,
 row-major); the timestep is ``sigma * 1000``. Its blocks write no ``block_type`` /
-``block_index`` into ``transformer_options``, so every block shares one factor (a schedule
-whose blocks differ pools nothing here) and residual reuse, kept per block, does not apply.
+``block_index`` into ``transformer_options`` (``UnnamedDit``): every block shares one factor
+(a schedule whose blocks differ pools nothing here) and residual reuse, kept per block, does
+not apply (a preset runs its point without it).
 A1111's SD3 (the same class name, called without ``transformer_options``) is ``mmdit.py``'s."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint, by_class
+from .family import COMFYUI, Dit, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
@@ -31,7 +32,7 @@ def patch(model: nn.Module) -> int:
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(patch(model), True, 154, 1.0, False), model.joint_blocks, ()
+    return UnnamedDit(patch(model), True, 154, 1.0, False), model.joint_blocks, ()
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

@@ -31,6 +31,9 @@ class Dit:
     ignores = ()  # config fields this kind of model does not read (a UNet: the DiT fields)
     # A host's model flags that name a DiT themselves (SD.Next flags every pipeline SD1).
     named_flags = ("SD3",)
+    # The host names each attention call's block (ComfyUI's ``block_index``): per-block
+    # factors and residual reuse (kept per block) apply; else ``UnnamedDit``.
+    names_blocks = True
 
     def noun(self, flag: str) -> str:
         """What the console calls the model, given the host's flag for it: ``SD3 DiT``,
@@ -100,6 +103,16 @@ class Dit:
         c = report.config
         text = f"{report.patched_blocks}/{report.total_blocks} blocks pooled (blocks {c.blocks}"
         return text + (f", rope {c.rope})" if report.rope else ")")
+
+
+@dataclass(frozen=True)
+class UnnamedDit(Dit):
+    """A DiT whose host does not name the block of an attention call (ComfyUI's SD3,
+    AuraFlow, HiDream, Mochi, OmniGen2): its blocks share one factor and residual reuse,
+    kept per block, cannot apply (``percall.Core`` runs a preset's point without it). Its
+    family reads its blocks as one kind, so that the point shares one factor too."""
+
+    names_blocks = False
 
 
 class Call(NamedTuple):
