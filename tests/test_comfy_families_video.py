@@ -428,3 +428,21 @@ def test_a_wan_text_longer_than_the_video_is_cross_attention(monkeypatch, lines)
     want = one_call(base, noise, ctx)
     assert sorted(set(seen)) == [(24, 0), (40, None)]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_comfyuis_model_base_named_like_the_diffusion_model_is_not_claimed(lines):
+    """ComfyUI's model base for Kandinsky 5 is ``comfy.model_base.Kandinsky5`` (the image
+    one its subclass ``Kandinsky5Image``), the name of the diffusion model it holds: only
+    the diffusion model (``comfy.ldm``) is the family's (the real v0.30.0 read the base and
+    passed the model through)."""
+    base = type("Kandinsky5", (BaseModel,), {"__module__": "comfy.model_base"})
+    image = type("Kandinsky5Image", (base,), {"__module__": "comfy.model_base"})
+    for cls in (base, image):
+        model = ModelPatcher(cls(kandinsky("0.30.0").eval(), ModelSamplingDiscreteFlow(3.0, 1.0)))
+        assert dits.find(model.model) is None
+        g = torch.Generator().manual_seed(1)
+        noise, ctx = torch.randn(1, 4, 10, 14, generator=g), torch.randn(1, 5, 12, generator=g)
+        assert not torch.equal(one_call(pooled(model), noise, ctx), one_call(model, noise, ctx))
+        assert any(line.startswith("ToMe: comfy kandinsky 5 DiT, downsample x2")
+                   for line in lines)
+        lines.clear()

@@ -21,8 +21,8 @@ CLASSES = ("GeneralDIT", "MiniTrainDIT")
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") \
-        and any(c.__name__ in CLASSES for c in type(module).__mro__)
+    return any(c.__name__ in CLASSES and c.__module__.startswith("comfy.ldm.")
+               for c in type(module).__mro__)
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:

@@ -18,8 +18,10 @@ from .family import COMFYUI, Dit, Family, HostPoint
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") \
-        and any(c.__name__ == "Kandinsky5" for c in type(module).__mro__)
+    """The diffusion model (``comfy.ldm``), not ComfyUI's model base of the same name
+    (``comfy.model_base.Kandinsky5``, which holds it)."""
+    return any(c.__name__ == "Kandinsky5" and c.__module__.startswith("comfy.ldm.")
+               for c in type(module).__mro__)
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:

@@ -21,9 +21,8 @@ def recognise(module: nn.Module) -> bool:
     """LTX-Video; not LTX-2 (``LTXAVModel``, its subclass: video and audio latents in one
     call, audio self-attention and audio-video cross-attention beside the video's), which
     passes through with the "not supported" line."""
-    mro = [c.__name__ for c in type(module).__mro__]
-    return type(module).__module__.startswith("comfy.") and "LTXVModel" in mro \
-        and "LTXAVModel" not in mro
+    mro = [c.__name__ for c in type(module).__mro__ if c.__module__.startswith("comfy.ldm.")]
+    return "LTXVModel" in mro and "LTXAVModel" not in mro
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:

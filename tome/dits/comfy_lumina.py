@@ -19,8 +19,8 @@ from .family import COMFYUI, Dit, Family, HostPoint
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") \
-        and any(c.__name__ == "NextDiT" for c in type(module).__mro__)
+    return any(c.__name__ == "NextDiT" and c.__module__.startswith("comfy.ldm.")
+               for c in type(module).__mro__)
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
