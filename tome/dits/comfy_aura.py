@@ -21,7 +21,7 @@ from .family import COMFYUI, Family, HostPoint, UnnamedDit
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") and type(module).__name__ == "MMDiT" \
+    return type(module).__module__.startswith("comfy.ldm.") and type(module).__name__ == "MMDiT" \
         and all(hasattr(module, a) for a in ("double_layers", "single_layers",
                                                 "register_tokens"))
 

@@ -23,7 +23,7 @@ from .family import COMFYUI, Dit, Family, HostPoint, by_class
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") and by_class("HunyuanVideo")(module) \
+    return type(module).__module__.startswith("comfy.ldm.") and by_class("HunyuanVideo")(module) \
         and hasattr(module, "double_blocks") and hasattr(module, "single_blocks")
 
 

@@ -17,7 +17,7 @@ from .family import COMFYUI, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") and by_class("AsymmDiTJoint")(module)
+    return type(module).__module__.startswith("comfy.ldm.") and by_class("AsymmDiTJoint")(module)
 
 
 def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:

@@ -20,7 +20,7 @@ from .family import COMFYUI, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") \
+    return type(module).__module__.startswith("comfy.ldm.") \
         and by_class("OmniGen2Transformer2DModel")(module)
 
 

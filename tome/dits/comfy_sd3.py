@@ -22,7 +22,7 @@ from .family import COMFYUI, Dit, Family, HostPoint, UnnamedDit, by_class
 
 
 def recognise(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("comfy.") and by_class("MMDiT")(module) \
+    return type(module).__module__.startswith("comfy.ldm.") and by_class("MMDiT")(module) \
         and hasattr(module, "joint_blocks") and hasattr(module, "x_embedder")
 
 
