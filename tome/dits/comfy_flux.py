@@ -25,11 +25,12 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 
 def recognise(module: nn.Module) -> bool:
-    """ComfyUI's Flux (Chroma and Flux 2 too): Flux's double and single blocks and one patch
-    size for both sides (an int; the stand-ins carry none: 2). HunyuanVideo (and HunyuanImage
-    2.1) has Flux's blocks but a patch per axis (``[1, 2, 2]``, ``[1, 1]``), a 5-D latent and
-    [image, text] in its joint calls (0.8.0), which ``spans`` does not place: not this family
-    (it passes through with the "not supported" line until it has a family of its own)."""
+    """ComfyUI's Flux and Kontext: Flux's double and single blocks and one patch size for
+    both sides (an int; the stand-ins carry none: 2). Chroma and Flux 2 share them and are
+    tried first (``comfy_chroma``, ``comfy_flux2``: named as themselves); HunyuanVideo (and
+    HunyuanImage 2.1) has Flux's blocks but a patch per axis (``[1, 2, 2]``, ``[1, 1]``), a
+    5-D latent and [image, text] in 0.8.0's joint calls, which ``spans`` does not place: its
+    own family (``comfy_hunyuan_video``), never this one."""
     return comfy(module) and hasattr(module, "double_blocks") \
         and hasattr(module, "single_blocks") and isinstance(getattr(module, "patch_size", 2), int)
 
