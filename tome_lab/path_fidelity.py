@@ -252,10 +252,11 @@ def comfy_sample(patcher: OlderPatcher, table: nn.Module, classes, seed: int = 0
     """``tinydit.sample`` as ComfyUI's KSampler runs it (Euler; cfg 1: one model call per
     step, else cond and uncond batched in one call, ``cond_or_uncond`` [0, 1], mixed on the
     denoised latents): the run callbacks around the steps (cleanup in ``finally``), per step
-    fresh ``transformer_options`` with the patcher's wrappers, ``sigmas`` and
-    ``cond_or_uncond``, ``apply_model(x, sigma, None, context, None, options, y=pooled)``;
-    the same noise, sigmas (``tinydit.model.schedule``) and output range as
-    ``tinydit.sample`` (whose ``guidance`` batches the null class alike)."""
+    fresh ``transformer_options`` with the patcher's wrappers, the sampling's
+    ``sample_sigmas``, this step's ``sigmas`` and ``cond_or_uncond``, then ``apply_model(x,
+    sigma, None, context, None, options, y=pooled)``; the same noise, sigmas
+    (``tinydit.model.schedule``) and output range as ``tinydit.sample`` (whose ``guidance``
+    batches the null class alike)."""
     from .tinydit.model import NULL, TEXT_TOKENS, schedule
     g = torch.Generator().manual_seed(seed)
     cls = torch.as_tensor(classes, dtype=torch.long)
@@ -273,7 +274,8 @@ def comfy_sample(patcher: OlderPatcher, table: nn.Module, classes, seed: int = 0
         for s, s_next in zip(sigmas[:-1], sigmas[1:]):
             sigma = s.expand(len(both))
             options = {**patcher.model_options["transformer_options"],
-                       "wrappers": patcher.wrappers, "sigmas": sigma, "cond_or_uncond": who}
+                       "wrappers": patcher.wrappers, "sample_sigmas": sigmas, "sigmas": sigma,
+                       "cond_or_uncond": who}
             xs = x if guidance == 1.0 else torch.cat([x, x])
             denoised = base.apply_model(xs, sigma, None, context, None, options, y=pooled)
             if guidance != 1.0:
