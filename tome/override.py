@@ -175,7 +175,7 @@ class OverridePatch(percall.Core):
                 or not sigmas.numel():
             return None
         if self.sigmas[0] is not schedule:
-            self.sigmas = (schedule, [float(s) for s in schedule.reshape(-1)])
+            self.sigmas = (schedule, schedule.reshape(-1).tolist())  # one read
         sigma = float(sigmas.reshape(-1)[0])
         return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
 
