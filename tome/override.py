@@ -151,9 +151,13 @@ class OverridePatch(percall.Core):
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
         self.sigmas: tuple[Any, list[float]] = (None, [])  # the sampler's sigmas, read once
         self.steps: dict[int, list[int]] = {}  # this sampling: step -> [model calls, reaching us]
+        self.last_chained: Any = None  # the other override last told (``_tell_chained``)
 
     def _tell_chained(self, prev: Any) -> None:
         """One line per other override chained (another node's, before or after ours)."""
+        if prev is self.last_chained:
+            return
+        self.last_chained = prev
         module = re.split(r"[\\/]", getattr(prev, "__module__", None) or "?")[-1]
         name = f"{module}.{getattr(prev, '__qualname__', type(prev).__name__)}"  # no path
         if name not in self.pool.told and self.pool.say is not None:
