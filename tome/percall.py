@@ -356,8 +356,7 @@ class Core:
             progress = self.planner.window.progress(float(sigmas.reshape(-1)[0]))
         reuse = None
         if self.reuse is not None and progress is not None:
-            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device,
-                             step)
+            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device, step)
             if x is not None:  # what reuse will keep, checked before it keeps it
                 schedule = self.budget.begin(x, size, spans.text + spans.before + spans.after,
                                              progress)
