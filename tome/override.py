@@ -17,7 +17,11 @@ the bias as its mask where the backend adds one, else as an extra channel.
 
 ComfyUI's TorchCompileModel drops every guard on ``transformer_options``, so the call's state
 is ``percall``'s module slot, set by the wrapper around the call (outside the compiled
-model). Pure torch: nothing here imports ComfyUI.
+model). A chained override that declines pooled keys (block-sparse attention: the host's
+``KvPool.leave``) gets the calls it takes whole. Each call's sampler step (``step_of``: its
+sigma's place in ``sample_sigmas``) keys residual reuse, so steps a cache (EasyCache,
+LazyCache) skipped count, and tells the steps it skipped after the sampling (``sampling``).
+Pure torch: nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
