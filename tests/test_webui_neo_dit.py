@@ -227,7 +227,10 @@ def test_a_replacement_inside_the_call_that_never_calls_ours_is_said_once(capsys
     off = latent(webui)
     on = latent(webui, dit())
     assert torch.equal(on, off)
-    assert capsys.readouterr().out.count(swap.Swap.SILENT) == 1
+    out = capsys.readouterr().out
+    assert out.count(swap.Swap.SILENT) == 1
+    assert out.count(swap.Swap.NEVER_CALLED) == 1  # not again after the pass
+    assert "attention calls" not in out
 
 
 def test_a_mask_over_the_calls_keys_is_pooled_with_them(capsys):
