@@ -446,3 +446,37 @@ def test_comfyuis_model_base_named_like_the_diffusion_model_is_not_claimed(lines
         assert any(line.startswith("ToMe: comfy kandinsky 5 DiT, downsample x2")
                    for line in lines)
         lines.clear()
+
+
+# ----------------------------------------------------------------------------- CogVideoX (v0.30.0)
+
+@pytest.mark.parametrize("patch_t", [None, 2])
+@pytest.mark.parametrize("proportional", [True, False])
+def test_cogvideox_against_a_hand_written_reference(monkeypatch, lines, patch_t, proportional):
+    """CogVideoX 1.0 (a token grid per latent frame) and 1.5 (two frames a patch, 3 latent
+    frames padded to 4): the joint [text, video] calls pooled after the text, per frame."""
+    import comfy.ldm.cogvideo.model as cog
+    torch.manual_seed(0)
+    base = patcher(cog.CogVideoXTransformer3DModel(patch_size_t=patch_t))
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 3, 6, 9, generator=g), torch.randn(1, 5, 12, generator=g)
+    ref = one_call(base, noise, ctx)
+    out = one_call(pooled(base, proportional), noise, ctx)
+    assert lines[0].startswith("ToMe: comfy cogvideox DiT, downsample x2")
+    grid = (3 if patch_t is None else 2, 3, 5)
+    seen = []
+    monkeypatch.setattr(cog, "optimized_attention", reference_backend(
+        {5 + math.prod(grid): 5}, grid, 2, proportional, seen))
+    want = one_call(base, noise, ctx)
+    assert set(seen) == {(5 + math.prod(grid), 5)}
+    assert not torch.allclose(want, ref, atol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cogvideox_samples_close_and_the_same_for_the_same_seed(lines):
+    import comfy.ldm.cogvideo.model as cog
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    noise, ctx = torch.randn(1, 4, 3, 6, 9, generator=g), torch.randn(1, 5, 12, generator=g)
+    check_sampling(patcher(cog.CogVideoXTransformer3DModel()), noise, ctx, SIGMAS)
+    assert lines[-1].startswith("ToMe: pooled ")

@@ -43,6 +43,7 @@ from torch import nn
 from . import (
     comfy_aura,
     comfy_chroma,
+    comfy_cogvideox,
     comfy_cosmos,
     comfy_flux,
     comfy_flux2,
@@ -141,6 +142,7 @@ BUILTIN = (
     comfy_ltxv,
     comfy_cosmos,
     comfy_kandinsky,
+    comfy_cogvideox,
     comfy_qwen,
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
