@@ -4,7 +4,7 @@ image keys/values.
     python -m tome_lab.dit_bench            # Flux and SD3 at 512, 768, 1024 and 2048 px
     python -m tome_lab.dit_bench --models qwen,wan --sizes 1024,2048 --video-sizes 832x480x33
     python -m tome_lab.dit_bench --quick    # tiny widths at small sizes, one round (a test)
-    python -m tome_lab.dit_bench --models lumina2,z-image,ltxv,cosmos2,kandinsky5,kandinsky5-image
+    python -m tome_lab.dit_bench --models lumina2,z-image,ltxv,cosmos2,kandinsky5,cogvideox
 
 The last: ComfyUI's families pooled only through its attention override (``dit_calls.py``):
 one self-attention call each at the released shapes, at ``--call-sizes`` (1024, 2048 px) and

@@ -1,7 +1,7 @@
 """One self-attention call of ComfyUI's DiT families that the library pools only through
-ComfyUI's attention override (Lumina 2, Z-Image, LTX-Video, Cosmos predict2, Kandinsky 5):
-no diffusers family of the library runs them, so ``dit_bench`` times the call the override
-changes, at the released models' head counts and widths and the token counts their VAEs and
+ComfyUI's attention override (Lumina 2, Z-Image, LTX-Video, Cosmos predict2, Kandinsky 5,
+CogVideoX): no diffusers family of the library runs them, so ``dit_bench`` times the call the
+override changes, at the released models' head counts and widths and the token counts their VAEs and
 patches give: unpooled, the image keys/values pooled x2 and x4 (the pooling and the
 ``log(cell size)`` mask counted in, as the override runs it), and the ceiling (no image
 keys: a joint call keeps its text's, an image-only call one key). Speed-ups are of that one
@@ -13,7 +13,8 @@ heads, Gemma-2 text (256 tokens), joint [text, image]; Z-Image 3840 wide, 30 hea
 in space and 8x in time, patch 1, video-only self-attention; Cosmos predict2 2B 2048 wide, 16
 heads, Wan VAE (8x, 4x), patch 2, image/video-only; Kandinsky 5 video lite 1792 wide, 28 heads
 of 64, and Kandinsky 5 image 2560 wide, 20 heads of 128, VAE 8x (video: 4x in time), patch 2,
-visual-only.
+visual-only; CogVideoX 5B 3072 wide, 48 heads of 64, T5 text (226 tokens), joint [text,
+video], VAE (8x, 4x), patch 2.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ SHAPES = {
     "cosmos2": Shape(16, 128, 0, 16),
     "kandinsky5": Shape(28, 64, 0, 16),
     "kandinsky5-image": Shape(20, 128, 0, 16),
+    "cogvideox": Shape(48, 64, 226, 16),
 }
 IMAGE_CALLS = ("lumina2", "z-image", "cosmos2", "kandinsky5-image")
-VIDEO_CALLS = ("ltxv", "cosmos2", "kandinsky5")
+VIDEO_CALLS = ("ltxv", "cosmos2", "kandinsky5", "cogvideox")
 
 
 def tiny(shape: Shape) -> Shape:
