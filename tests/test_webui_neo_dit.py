@@ -99,7 +99,7 @@ def test_pooled_flux_call_matches_a_hand_written_reference():
         ours = clone.model_options["model_function_wrapper"]
         spans = percall.Spans(text, True, 0, 1, h, w)
         state = ours.begin(spans, None, q.device, b)
-        pooled = swap.pooled(adapters.NEO["forge neo flux"].points[0])
+        pooled = swap.pooled(adapters.neo_form("forge neo flux").points[0])
         pooled.original = flux.attention
         with ours.running(ours, spans, state):
             got = pooled(q, k, v, pe)
