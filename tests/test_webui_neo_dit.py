@@ -399,3 +399,15 @@ def test_each_pass_prints_its_tally_of_attention_calls_once(capsys):
     webui.generate(tome=dit(), steps=2, cfg_scale=1)  # one call per step, batch 1: 2 x 4
     assert [x for x in capsys.readouterr().out.splitlines() if "attention calls" in x] == [
         "ToMe: first pass pooled 8 of 8 attention calls"]
+
+
+def test_the_summary_line_says_what_the_schedule_and_reuse_run(capsys):
+    """A DiT's console summary names what runs (the schedule's factor per block and reuse),
+    not the method's plain factor: ``x8 in all blocks; residual reuse every 5 steps``, never
+    ``downsample x2`` for an ``all:8`` schedule."""
+    webui = WebUI(neo.NeoModel("flux"))
+    latent(webui, dit(schedule="all:8", reuse=5), steps=6)
+    out = capsys.readouterr().out
+    assert "ToMe: DiT (forge neo flux) first pass x8 in all blocks; residual reuse every 5 " \
+           "steps; 4/4 blocks pooled" in out, out
+    assert "first pass downsample x2" not in out

@@ -51,14 +51,17 @@ def head(kind: str, report: PatchReport) -> str:
     return f"{kind + ' ' if kind else ''}({report.family})"
 
 
-def what(cfg: ToMeConfig | None) -> str:
-    """``ratio 0.5``, ``downsample x2`` or ``off``."""
-    return "off" if cfg is None else methods.get(cfg.method).describe(cfg)
+def what(cfg: ToMeConfig | None, runs: Any = None) -> str:
+    """``ratio 0.5``, ``downsample x2`` or ``off``; on a DiT what its schedule and reuse run
+    (``runs``: ``Dit.runs``, e.g. ``x8 in all blocks; residual reuse every 5 steps``)."""
+    if cfg is None:
+        return "off"
+    return (runs(cfg) if runs is not None else None) or methods.get(cfg.method).describe(cfg)
 
 
-def passes_text(passes: dict[str, ToMeConfig | None]) -> str:
+def passes_text(passes: dict[str, ToMeConfig | None], runs: Any = None) -> str:
     """``first pass off, hires pass ratio 0.6``."""
-    return ", ".join(f"{PASS_LABELS[name]} {what(cfg)}" for name, cfg in passes.items())
+    return ", ".join(f"{PASS_LABELS[name]} {what(cfg, runs)}" for name, cfg in passes.items())
 
 
 def skipped_text(skipped: list[tuple[Any, str]]) -> str:
@@ -100,14 +103,15 @@ class Voice:
             console(line)
 
     def summary(self, head: str, passes: dict[str, ToMeConfig | None], coverage: str,
-                skipped: list[tuple[Any, str]] = (), seed: int | None = None) -> None:
+                skipped: list[tuple[Any, str]] = (), seed: int | None = None,
+                runs: Any = None) -> None:
         """The one console line per generation that shows ToMe is working, e.g.
         ``ToMe: SD1 (ldm) first pass ratio 0.5; 5/16 blocks patched at downsample <= 1
         (ds1: 5); seed 3``."""
         if self.announced:
             return
         self.announced = True
-        line = f"ToMe: {head} {passes_text(passes)}; {coverage}"
+        line = f"ToMe: {head} {passes_text(passes, runs)}; {coverage}"
         if skipped:
             self.said.add("skipped")
             line += f"; {skipped_text(skipped)}"

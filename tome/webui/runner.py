@@ -302,8 +302,9 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     _track(gen, name, host.forge_patch(model))
     seeded = methods.get(cfg.method).seeded(cfg)
     kind = host.model_kind(model) if kind is None else kind  # SD.Next: the pipeline's flags
-    gen.voice.summary(narrate.head(kind, report), gen.passes,
-                      report.coverage(), report.skipped, cfg.seed if seeded else None)
+    gen.voice.summary(narrate.head(kind, report), gen.passes, report.coverage(),
+                      report.skipped, cfg.seed if seeded else None,
+                      getattr(report.facts, "runs", None))
     for note in report.notes():
         gen.voice.say(note)
     text = report.facts.describe(report.config)  # a DiT's: what a preset resolved to on it
