@@ -480,3 +480,21 @@ def test_cogvideox_samples_close_and_the_same_for_the_same_seed(lines):
     noise, ctx = torch.randn(1, 4, 3, 6, 9, generator=g), torch.randn(1, 5, 12, generator=g)
     check_sampling(patcher(cog.CogVideoXTransformer3DModel()), noise, ctx, SIGMAS)
     assert lines[-1].startswith("ToMe: pooled ")
+
+
+@pytest.mark.parametrize("make", [lambda: ltxv("0.8.0"), lambda: cosmos("0.30.0", 2),
+                                  lambda: cosmos("0.8.0", 1)])
+def test_families_whose_calls_name_no_block_say_a_per_block_setting_pools_nothing(lines, make):
+    """LTX-Video, Cosmos (predict2 names its block in v0.30.0 only) and CogVideoX pass no block
+    index: read as ``UnnamedDit`` (one factor, no residual reuse); ``blocks`` naming some of
+    their blocks pools nothing, said in one line, the model passed through (it said "1/2
+    blocks pooled", then "no attention call had the lengths ...")."""
+    base = patcher(make())
+    assert not dits.find(base.model.diffusion_model).read(base.model.diffusion_model)[0] \
+        .names_blocks
+    (out,) = nodes.ToMePatch().patch(base, preset="custom", method="downsample",
+                                     downsample_factor=2, policy="fixed", blocks="0")
+    assert out is base
+    assert lines == ["ToMe: blocks='0' gives this DiT's blocks different factors, but its "
+                     "attention calls do not name their block; nothing is pooled (set one "
+                     "factor for all blocks); the model passes through unchanged"]

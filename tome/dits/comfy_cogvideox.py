@@ -1,9 +1,9 @@
 """ComfyUI's CogVideoX 1.0 and 1.5 (``comfy.ldm.cogvideo.model.CogVideoXTransformer3DModel``,
 ComfyUI v0.30.0): ``blocks``, each one joint self-attention over ``[text, video]`` (the whole
 text first; the video frame-major, patch ``(patch_size_t or 1, patch_size, patch_size)``,
-padded up; keys rotated, ``[B, S, heads * D]``, no block index: the blocks share one
-factor). Pooled through ComfyUI's attention override (``override.py``): ``spans`` says where
-a model call's video tokens sit."""
+padded up; keys rotated, ``[B, S, heads * D]``); no block index (``UnnamedDit``: the blocks
+share one factor, no residual reuse). Pooled through ComfyUI's attention override
+(``override.py``): ``spans`` says where a model call's video tokens sit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
+from .family import COMFYUI, Family, HostPoint, UnnamedDit
 
 
 def recognise(module: nn.Module) -> bool:
@@ -21,8 +21,8 @@ def recognise(module: nn.Module) -> bool:
         "comfy.ldm.") for c in type(module).__mro__)
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(int(model.patch_size), True, 226, 1.0, True), model.blocks, ()
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return UnnamedDit(int(model.patch_size), True, 226, 1.0, True), model.blocks, ()
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

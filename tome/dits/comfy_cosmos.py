@@ -3,7 +3,8 @@
 subclass: ``blocks`` a list). Each block: self-attention over the video tokens alone
 (frame-major, ``ceil(T/pt) x ceil(H/ps) x ceil(W/ps)``: ``patch_temporal``,
 ``patch_spatial``; keys rotated, ``[B, heads, S, D]``), then cross-attention to the text.
-predict2 names its block (``block_index``) in v0.30.0, predict1 never. Pooled through
+predict2 names its block (``block_index``) in v0.30.0 only, predict1 never: read as
+``UnnamedDit`` (one factor for all blocks, no residual reuse) in both. Pooled through
 ComfyUI's attention override (``override.py``): ``spans`` says where a model call's video
 tokens sit."""
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
+from .family import COMFYUI, Family, HostPoint, UnnamedDit
 
 CLASSES = ("GeneralDIT", "MiniTrainDIT")
 
@@ -25,10 +26,10 @@ def recognise(module: nn.Module) -> bool:
                for c in type(module).__mro__)
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
     blocks = model.blocks
     blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else blocks
-    return Dit(int(model.patch_spatial), True, 512, 1.0, True), blocks, ()
+    return UnnamedDit(int(model.patch_spatial), True, 512, 1.0, True), blocks, ()
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

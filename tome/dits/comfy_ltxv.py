@@ -1,11 +1,12 @@
 """ComfyUI's LTX-Video (``comfy.ldm.lightricks.model.LTXVModel``): ``transformer_blocks``,
 each a self-attention over the video tokens alone (one token per latent pixel: patch 1,
-frame-major, keys rotated, ``[B, S, heads * D]``, no block index, so all blocks share one
-factor) and a cross-attention to the text. Guide frames (``LTXVAddGuide``: latent frames
-appended after the video, their token positions in ``keyframe_idxs``) stay whole; v0.30.0
-splits a guided self-attention's queries (keys the whole sequence, a guide mask pooled with
-them). The model's timestep is ``sigma * 1000``. Pooled through ComfyUI's attention override
-(``override.py``): ``spans`` says where a model call's video tokens sit."""
+frame-major, keys rotated, ``[B, S, heads * D]``) and a cross-attention to the text; no block
+index (``UnnamedDit``: all blocks share one factor, no residual reuse). Guide frames
+(``LTXVAddGuide``: latent frames appended after the video, their token positions in
+``keyframe_idxs``) stay whole; v0.30.0 splits a guided self-attention's queries (keys the
+whole sequence, a guide mask pooled with them). The model's timestep is ``sigma * 1000``.
+Pooled through ComfyUI's attention override (``override.py``): ``spans`` says where a model
+call's video tokens sit."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
+from .family import COMFYUI, Family, HostPoint, UnnamedDit
 
 
 def recognise(module: nn.Module) -> bool:
@@ -25,8 +26,8 @@ def recognise(module: nn.Module) -> bool:
     return "LTXVModel" in mro and "LTXAVModel" not in mro
 
 
-def read(model: nn.Module) -> tuple[Dit, Any, Any]:
-    return Dit(1, True, 128, 1.0, True), model.transformer_blocks, ()
+def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
+    return UnnamedDit(1, True, 128, 1.0, True), model.transformer_blocks, ()
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:

@@ -110,9 +110,23 @@ class UnnamedDit(Dit):
     """A DiT whose host does not name the block of an attention call (ComfyUI's SD3,
     AuraFlow, HiDream, Mochi, OmniGen2): its blocks share one factor and residual reuse,
     kept per block, cannot apply (``percall.Core`` runs a preset's point without it). Its
-    family reads its blocks as one kind, so that the point shares one factor too."""
+    family reads its blocks as one kind, so that the point shares one factor too. Settings
+    that give its blocks different factors pool nothing (no call says which block it is):
+    one line, nothing installed."""
 
     names_blocks = False
+
+    def unmergeable(self, layout: Any, config: Any) -> str | None:
+        why = super().unmergeable(layout, config)
+        schedule, n = dit.schedule_of(config), len(layout.blocks)
+        if why is None and len({schedule.factor(i, b.kind, n, None)
+                                for i, b in enumerate(layout.blocks)}) > 1:
+            named = f"schedule={config.schedule!r}" if config.schedule else \
+                f"blocks={config.blocks!r}"
+            return (f"ToMe: {named} gives this DiT's blocks different factors, but its "
+                    "attention calls do not name their block; nothing is pooled (set one "
+                    "factor for all blocks)")
+        return why
 
 
 class Call(NamedTuple):
