@@ -198,3 +198,34 @@ def test_a_schedule_is_parsed_once_not_per_patch_or_call(monkeypatch):
     finally:
         tome.remove_patch(flux)
     assert parsed == []
+
+
+def test_the_dit_presets_rotate_keys_before_pooling():
+    """The presets' DiT points pool rotated keys (``rope="before"``): what ComfyUI's path
+    applies anyway (its keys arrive rotated), so a preset as named is the same image on every
+    path (docs/quality.md, the presets through ComfyUI's path)."""
+    for name in ("quality", "fast"):
+        assert preset(name).rope == "before"
+        assert preset(name, rope="pooled").rope == "pooled"  # the user's change stands
+
+
+def test_without_reuse_maps_a_preset_with_the_users_rope_to_its_point_without_reuse():
+    """A preset's DiT point is known by its schedule and reuse: a user who set the rope
+    themselves still gets that preset's point without reuse where reuse cannot run, with
+    their rope (and whatever else they set); the preset as named keeps its own rope there."""
+    from tome.config import without_reuse
+    flux = ["double", "double", "single", "single"]
+    for name, point in (("quality", "single:2@0.3-1"), ("fast", "all:2@0.3-1")):
+        for changes in ({}, {"rope": "pooled"}, {"rope": "pooled", "proportional": False}):
+            config = preset(name, **changes)
+            off = without_reuse(config, flux)
+            assert (off.schedule, off.reuse) == (point, 0)
+            assert off == config.replace(schedule=point, reuse=0)  # nothing else changes
+        assert without_reuse(preset(name, rope="pooled")).rope == "pooled"
+        assert without_reuse(preset(name)).rope == "before"
+    # The quality preset's second point where a model has no single-stream block, rope kept.
+    assert without_reuse(preset("quality", rope="pooled"), ["double"] * 2) == \
+        preset("quality", rope="pooled").replace(schedule="all:2@0.5-1", reuse=0)
+    # A schedule and reuse that are no preset's point keep their schedule, without reuse.
+    other = ToMeConfig(method="downsample", schedule="all:8", reuse=7, rope="pooled")
+    assert without_reuse(other, flux) == other.replace(reuse=0)

@@ -292,7 +292,7 @@ def test_presets_resolve_per_model_kind():
     flux, sd3 = Dit(2, True, 512, 1000.0, True), Dit(2, False, 333, 1.0, False)
     assert UNET.describe(q) is None  # a UNet's settings describe themselves
     assert flux.describe(q).startswith(dit.schedule_of(q).describe())
-    assert "residual reuse every" in flux.describe(q) and flux.describe(q).endswith("rope pooled")
+    assert "residual reuse every" in flux.describe(q) and flux.describe(q).endswith("rope before")
     assert "rope" not in sd3.describe(q)  # no rotary positions: the option does not apply
     assert flux.describe(preset("balanced")) == "merge: no DiT form, not pooled"
 

@@ -10,8 +10,6 @@ import torch
 
 pytest.importorskip("diffusers")
 
-ROPE_LINE = "rope pooled (keys arrive rotated: pooled as rope before)"
-
 
 @pytest.fixture(scope="module")
 def result():
@@ -28,22 +26,22 @@ def test_unpatched_paths_give_the_same_image(result):
 
 
 def test_presets_fidelity_through_comfyui_equals_the_diffusers_paths(result):
-    """Each preset's DiT point through the ComfyUI path is the diffusers path's image with the
-    RoPE option the ComfyUI path can apply (keys arrive rotated: ``before``), pixel for pixel
-    within float error and so within 0.5 dB; residual reuse applied there (the path without
-    run callbacks, the preset's point without reuse, is far from it); the one setting left out
-    is said."""
+    """Each preset as named through the ComfyUI path is the diffusers path's image, pixel for
+    pixel within float error and so within 0.5 dB: the presets' DiT points rotate keys before
+    pooling (``rope="before"``), the RoPE option the ComfyUI path applies (its keys arrive
+    rotated), so nothing is left out there; residual reuse applied (the path without run
+    callbacks, the preset's point without reuse, is far from it)."""
     from tome_lab import path_fidelity
     assert [r["preset"] for r in result["rows"]] == ["quality", "fast"]
     for r in result["rows"]:
-        assert r["config"].reuse and r["config"].rope == "pooled"
+        assert r["config"].reuse and r["config"].rope == "before"
         assert r["pixels"] < 1e-4
-        assert abs(r["comfyui"] - r["before"]) < 0.5
+        assert abs(r["comfyui"] - r["diffusers"]) < 0.5
         assert abs(r["comfyui"] - r["no_reuse"]) > 0.5
-        assert r["limits"] == [ROPE_LINE]
+        assert r["limits"] == []  # no "rope pooled (keys arrive rotated: ...)" line
         assert 10 < r["diffusers"] < 60 and 10 < r["comfyui"] < 60
     text = path_fidelity.table(result)
-    assert "| quality (`all:8`, reuse 5, rope pooled) |" in text
+    assert "| quality (`all:8`, reuse 5, rope before) |" in text
     assert text.count("\n|") == 4  # header, rule, a row per preset
 
 
@@ -72,10 +70,10 @@ def test_the_comfyui_form_calls_attention_through_the_override():
 def test_with_guidance_cond_and_uncond_in_one_call_agree_too():
     """Classifier-free guidance (cond and uncond batched in one call, ``cond_or_uncond`` [0,
     1]; the diffusers sampler batches the null class alike): unpatched the same image, and the
-    quality preset's ComfyUI image the diffusers path's with ``rope="before"``."""
+    quality preset's ComfyUI image the diffusers path's (both ``rope="before"``)."""
     from tome_lab import path_fidelity
     result = path_fidelity.compare([(2, 1)], steps=4, size=32, presets=("quality",),
                                    guidance=3.0)
     (row,) = result["rows"]
     assert result["unpatched"] < 1e-5 and row["pixels"] < 1e-4
-    assert abs(row["comfyui"] - row["before"]) < 0.5
+    assert abs(row["comfyui"] - row["diffusers"]) < 0.5

@@ -354,20 +354,27 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
 }
 # DiT points (docs/quality.md#dit, `python -m tome_lab.dit_frontier`): image keys/values
 # pooled x8 in every block with proportional attention, the full attention's residual
-# refreshed every 5 (quality) or 10 (fast) steps. On the tiny DiT (8 images, 20 steps, one
-# thread) 30.8 dB at 1.32x and 26.0 dB at 1.47x, where x2 throughout gives 22.3 dB at 1.42x
-# in the same run; no step window or block choice without reuse came close.
+# refreshed every 5 (quality) or 10 (fast) steps, keys rotated before they are pooled
+# (``rope="before"``: what ComfyUI's path applies anyway, its keys arriving rotated, so a
+# preset gives the same image on every path). On the tiny DiT (8 images, 20 steps, one
+# thread of a CPU) 31.5 dB and 26.9 dB, where ``rope="pooled"`` gave 30.8 and 26.0 dB at
+# about the same speed (within this CPU's noise); x2 throughout gives 22.3 dB, and no step
+# window or block choice without reuse came close. Full-size Flux is not measured.
 DIT_PRESETS: dict[str, dict[str, Any]] = {
-    "quality": {"schedule": "all:8", "reuse": 5},
+    "quality": {"schedule": "all:8", "reuse": 5, "rope": "before"},
     "balanced": {},  # merge has no DiT form: a DiT is left as it is
-    "fast": {"schedule": "all:8", "reuse": 10},
+    "fast": {"schedule": "all:8", "reuse": 10, "rope": "before"},
 }
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
 #: The DiT points without residual reuse, for a host path that cannot reuse and for reuse
-#: that does not fit in memory: the best schedules measured without it (tiny DiT: 29.5 dB at
-#: 1.07x, 25.9 dB at 1.25x; docs/quality.md#dit). A point naming blocks a model lacks
-#: (Wan, Qwen-Image and the other DiTs without single-stream blocks) gives way to the next
-#: that names one of its blocks (``all:2@0.5-1``: 27.4 dB at 1.16x), never to nothing.
+#: that does not fit in memory: the best schedules measured without it (tiny DiT, rope
+#: before: 29.5 dB at 1.08x, 25.7 dB at 1.30x; docs/quality.md#dit). They set the schedule
+#: alone, so the preset's rope (or the user's) stays, as the memory budget's fallback keeps
+#: it: rope pooled measured 0.02, 0.13 and 0.24 dB above before on these points, within the
+#: time noise and with a held-out loss up to 1 point worse, not worth a second rope per
+#: path. A point naming blocks a model lacks (Wan, Qwen-Image and the other DiTs without
+#: single-stream blocks) gives way to the next that names one of its blocks
+#: (``all:2@0.5-1``: 27.3 dB at 1.18x), never to nothing.
 DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
     "quality": ({"schedule": "single:2@0.3-1"}, {"schedule": "all:2@0.5-1"}),
     "fast": ({"schedule": "all:2@0.3-1"},)}
@@ -386,14 +393,15 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
 
 
 def without_reuse(config: ToMeConfig, kinds: Sequence[str] | None = None) -> ToMeConfig:
-    """``config`` for a path that cannot reuse residuals: a preset's DiT point becomes that
-    preset's point without reuse (``DIT_NO_REUSE``): the first whose schedule pools a block
-    of ``kinds`` (the model's block kinds in order, e.g. ``["double", "single"]``; None: the
+    """``config`` for a path that cannot reuse residuals: a preset's DiT point, known by its
+    schedule and reuse (a rope the user changed is theirs and stays), becomes that preset's
+    point without reuse (``DIT_NO_REUSE``): the first whose schedule pools a block of
+    ``kinds`` (the model's block kinds in order, e.g. ``["double", "single"]``; None: the
     first point); any other config keeps its schedule with ``reuse=0``."""
     if not config.reuse:
         return config
     for name, point in DIT_PRESETS.items():
-        if point and all(getattr(config, k) == v for k, v in point.items()):
+        if point and (config.schedule, config.reuse) == (point["schedule"], point["reuse"]):
             points = [config.replace(reuse=0, **p) for p in DIT_NO_REUSE[name]]
             return next((c for c in points if kinds is None or _pools_a_block(c, kinds)),
                         points[-1])
