@@ -368,13 +368,13 @@ DIT_PRESETS: dict[str, dict[str, Any]] = {
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
 #: The DiT points without residual reuse, for a host path that cannot reuse and for reuse
 #: that does not fit in memory: the best schedules measured without it (tiny DiT, rope
-#: before: 29.5 dB at 1.08x, 25.7 dB at 1.30x; docs/quality.md#dit). They set the schedule
-#: alone, so the preset's rope (or the user's) stays, as the memory budget's fallback keeps
-#: it: rope pooled measured 0.02, 0.13 and 0.24 dB above before on these points, within the
-#: time noise and with a held-out loss up to 1 point worse, not worth a second rope per
-#: path. A point naming blocks a model lacks (Wan, Qwen-Image and the other DiTs without
-#: single-stream blocks) gives way to the next that names one of its blocks
-#: (``all:2@0.5-1``: 27.3 dB at 1.18x), never to nothing.
+#: before: 29.5 dB and 25.7 dB; 1.07x and 1.25x in the frontier run; docs/quality.md#dit).
+#: They set the schedule alone, so the preset's rope (or the user's) stays, as the memory
+#: budget's fallback keeps it: rope pooled measured 0.02, 0.13 and 0.24 dB above before on
+#: these points, within the time noise and with a held-out loss up to 1 point worse, not
+#: worth a second rope per path. A point naming blocks a model lacks (Wan, Qwen-Image and
+#: the other DiTs without single-stream blocks) gives way to the next that names one of its
+#: blocks (``all:2@0.5-1``: 27.3 dB, 1.16x), never to nothing.
 DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
     "quality": ({"schedule": "single:2@0.3-1"}, {"schedule": "all:2@0.5-1"}),
     "fast": ({"schedule": "all:2@0.3-1"},)}
