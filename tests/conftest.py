@@ -49,3 +49,12 @@ def _webui_thresholds(request, monkeypatch):
         return
     from tome.webui import host
     monkeypatch.setattr(host, "measurer", lambda cfg: None)
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    """The console lines of the ComfyUI layer (``tome.comfy.host.console``)."""
+    from tome.comfy import host
+    said = []
+    monkeypatch.setattr(host, "console", said.append)
+    return said

@@ -25,6 +25,7 @@ from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingDiscrete, ModelSamplingFlux  # noqa: E402
 from comfy.sampling import DiTModel, comfy_blocks, ksample, unet_call  # noqa: E402
 from comfy_extras import nodes_hypertile, nodes_tomesd  # noqa: E402
+from comfy_node import defaults  # noqa: E402
 from models import TINY_SD15, TINY_SDXL, ldm_inputs, ldm_unet  # noqa: E402
 from stubs import fake_clock  # noqa: E402
 
@@ -47,25 +48,9 @@ def model(config=TINY_SD15):
     return ModelPatcher(m)
 
 
-def defaults(**changes):
-    """The node's values as a fresh node in the graph editor has them, with preset custom
-    (the inputs as set) unless ``changes`` name one."""
-    spec = inputs.input_types()
-    values = {name: opts.get("default") for part in spec.values()
-              for name, (_, opts) in part.items() if name != "model"}
-    return {**values, "preset": inputs.CUSTOM, **changes}
-
-
 def run(patcher, sigma=14.6146, size=32):
     x, t, ctx = ldm_inputs(2, size, size)
     return unet_call(patcher, x, t, ctx, sigma)
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
 
 
 def test_inputs_come_from_the_config_metadata():

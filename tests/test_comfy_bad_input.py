@@ -17,27 +17,13 @@ if STUB not in sys.path:
 
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingFlux  # noqa: E402
+from comfy_node import defaults  # noqa: E402
 
 from tome import override  # noqa: E402
 from tome import patcher as mp  # noqa: E402
-from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.comfy import nodes  # noqa: E402
 
 FIXED = {"preset": "custom", "method": "downsample", "policy": "fixed"}
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
-
-
-def defaults(**changes):
-    """The node's values as a fresh node in the graph editor has them."""
-    spec = inputs.input_types()
-    values = {name: opts.get("default") for part in spec.values()
-              for name, (_, opts) in part.items() if name != "model"}
-    return {**values, **changes}
 
 
 def flux_model():

@@ -26,27 +26,14 @@ if STUB not in sys.path:
 
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingDiscreteFlow, ModelSamplingFlux  # noqa: E402
+from comfy_node import defaults  # noqa: E402
 
 from tome import dits  # noqa: E402
-from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.comfy import nodes  # noqa: E402
 
 FIXED = {"method": "downsample", "policy": "fixed", "downsample_factor": 2,
          "proportional": True}
 TEXT = 5
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
-
-
-def defaults(**changes):
-    spec = inputs.input_types()
-    values = {name: opts.get("default") for part in spec.values()
-              for name, (_, opts) in part.items() if name != "model"}
-    return {**values, "preset": inputs.CUSTOM, **changes}
 
 
 # name -> (builder, its keywords, model sampling, latent, the module whose bound

@@ -27,16 +27,9 @@ from comfy.model_sampling import ModelSamplingDiscreteFlow  # noqa: E402
 from comfy.sampling import dit_sample  # noqa: E402
 
 from tome import dits  # noqa: E402
-from tome.comfy import host, nodes  # noqa: E402
+from tome.comfy import nodes  # noqa: E402
 
 VERSIONS = ["0.8.0", "0.30.0"]
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
 
 
 def pooled(base, proportional=True, factor=2):

@@ -21,7 +21,7 @@ from comfy.model_sampling import ModelSamplingDiscrete, ModelSamplingFlux  # noq
 from comfy.sampling import comfy_blocks  # noqa: E402
 from models import TINY_SD15, ldm_unet  # noqa: E402
 
-from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.comfy import inputs, nodes  # noqa: E402
 from tome.config import preset, without_reuse  # noqa: E402
 
 # The node's inputs in the order of every release so far: a saved UI workflow keeps its widget
@@ -49,13 +49,6 @@ def fresh(**changes):
     values = {name: opts.get("default") for part in inputs.input_types().values()
               for name, (_, opts) in part.items() if name != "model"}
     return {**values, **changes}
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
 
 
 @pytest.fixture

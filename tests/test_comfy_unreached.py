@@ -17,8 +17,9 @@ if STUB not in sys.path:
 from comfy.model_base import BaseModel  # noqa: E402
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingDiscreteFlow  # noqa: E402
+from comfy_node import defaults  # noqa: E402
 
-from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.comfy import host, nodes  # noqa: E402
 
 
 def _class(module: str, name: str) -> type:
@@ -37,10 +38,7 @@ def _model(module: str, name: str, inner: str | None = None) -> nn.Module:
 
 
 def settings():
-    spec = inputs.input_types()
-    values = {name: opts.get("default") for part in spec.values()
-              for name, (_, opts) in part.items() if name != "model"}
-    return {**values, "preset": inputs.CUSTOM, "method": "downsample", "policy": "fixed"}
+    return defaults(method="downsample", policy="fixed")
 
 
 @pytest.mark.parametrize("module,name,inner,said", [

@@ -29,29 +29,16 @@ if STUB not in sys.path:
 
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy_extras import nodes_easycache, nodes_sparse_attention  # noqa: E402
+from comfy_node import defaults  # noqa: E402
 
 from tome import modelpatcher as mp  # noqa: E402
 from tome import override  # noqa: E402
-from tome.comfy import host, inputs, nodes  # noqa: E402
+from tome.comfy import host, nodes  # noqa: E402
 
 LATENTS = {"flux": (1, 4, 16, 24), "wan": (1, 4, 3, 16, 24)}
 IMAGE_KEYS = {"flux": 5 + 8 * 12, "wan": 3 * 8 * 12}  # keys of a whole call's sequence
 BLOCKS = {"flux": 4, "wan": 2}
 REUSE = {"method": "downsample", "policy": "fixed", "schedule": "all:4", "reuse": 3}
-
-
-@pytest.fixture
-def lines(monkeypatch):
-    said = []
-    monkeypatch.setattr(host, "console", said.append)
-    return said
-
-
-def defaults(**changes):
-    spec = inputs.input_types()
-    values = {name: opts.get("default") for part in spec.values()
-              for name, (_, opts) in part.items() if name != "model"}
-    return {**values, "preset": inputs.CUSTOM, **changes}
 
 
 def dit_model(family="flux", **kw):
