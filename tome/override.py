@@ -175,16 +175,15 @@ class OverridePatch(percall.Core):
         self.steps.clear()
         self.refreshed.clear()
 
-    def step_of(self, options: dict) -> int | None:
-        """The sampler's step of this call: how many of its sigmas (``sample_sigmas``, read
-        on the host once per sampling) lie above the call's; None without them."""
-        schedule, sigmas = options.get("sample_sigmas"), options.get("sigmas")
-        if not isinstance(schedule, torch.Tensor) or not isinstance(sigmas, torch.Tensor) \
-                or not sigmas.numel():
+    def step_of(self, options: dict, sigma: Any) -> int | None:
+        """The sampler's step of this call (``sigma``: its sigma, read on the host): how many
+        of its sigmas (``sample_sigmas``, read once per sampling) lie above it; None without
+        them."""
+        schedule = options.get("sample_sigmas")
+        if not isinstance(schedule, torch.Tensor) or not isinstance(sigma, float):
             return None
         if self.sigmas[0] is not schedule:
             self.sigmas = (schedule, schedule.reshape(-1).tolist())  # one read
-        sigma = float(sigmas.reshape(-1)[0])
         return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
 
     def sampling(self) -> calls.Steps | None:
@@ -215,10 +214,12 @@ class OverridePatch(percall.Core):
             self.on_call(options)
         context = args[3] if len(args) > 3 else kwargs.get("c_crossattn")
         spans = self.spans_of(self.layout.root, x, context, kwargs)
-        who = options.get("cond_or_uncond")
-        step = self.step_of(options)
+        who, sigma = options.get("cond_or_uncond"), options.get("sigmas")
+        if isinstance(sigma, torch.Tensor) and sigma.numel():
+            sigma = float(sigma.reshape(-1)[0])  # this call's one read of its sigma
+        step = self.step_of(options, sigma)
         state = None if spans is None else self.begin(
-            spans, options.get("sigmas"), x.device, x.shape[0],
+            spans, sigma, x.device, x.shape[0],
             tuple(who) if isinstance(who, (list, tuple)) else None, x, step)
         prev = options.get(OVERRIDE)
         if prev is self.pool:

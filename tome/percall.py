@@ -336,12 +336,14 @@ class Core:
 
     def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int, who: Any = None,
               x: torch.Tensor | None = None, step: int | None = None) -> CallState | None:
-        """This call's state, or None where it pools nothing (outside the step window, the
-        policy, no block pooled at this step). Reads the sigma on the host once, only where a
-        window, a per-step schedule or residual reuse needs it (``Planner.begin``); steps are
-        told apart by it. ``who``: the host's identity of the call (ComfyUI's
-        ``cond_or_uncond``); ``x``: its latent (what the memory budget reads); ``step``: the
-        sampler's step number where the host tells it (``attend.Reuse.begin``)."""
+        """This call's state, or None where it pools nothing (window, policy, no block pooled
+        at this step). A ``sigmas`` tensor is read on the host once, only where a window, a
+        per-step schedule or reuse needs it (a float: read already). ``who``: the host's
+        identity of the call (``cond_or_uncond``); ``x``: its latent (the memory budget
+        reads it); ``step``: the sampler's step, where the host tells it (``Reuse.begin``)."""
+        if isinstance(sigmas, torch.Tensor):
+            use = self.reuse is not None or self.schedule.varies() or not self.planner.window.full
+            sigmas = float(sigmas.reshape(-1)[0]) if use and sigmas.numel() else None
         p = self.layout.dit.patch
         size = (spans.frames, spans.h * p, spans.w * p)
         call = self.planner.begin(size, device, sigmas, batch)
@@ -351,9 +353,8 @@ class Core:
         if not self.planner.decision(p, tokens, call.kind, call.measured.get(p)).merged:
             return None
         factors, schedule, progress = self.factors, self.schedule, None
-        if (schedule.varies() or self.reuse is not None) and isinstance(sigmas, torch.Tensor) \
-                and sigmas.numel():
-            progress = self.planner.window.progress(float(sigmas.reshape(-1)[0]))
+        if (schedule.varies() or self.reuse is not None) and sigmas is not None:
+            progress = self.planner.window.progress(sigmas)
         reuse = None
         if self.reuse is not None and progress is not None:
             self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device, step)
