@@ -74,19 +74,25 @@ def test_both_rope_options_reach_flux(rope):
     assert not torch.equal(on, off) and not torch.equal(on, other)
 
 
-def test_pooled_flux_call_matches_a_hand_written_reference():
-    """One attention call of Neo's Flux: our swap's answer is attention over the rotated
-    queries and keys with each 2x2 cell of image keys (and values) averaged ("before"), or the
-    raw keys averaged and rotated by the cell's mean rotation ("pooled")."""
-    model = neo.NeoModel("flux")
-    unet = model.forge_objects.unet
-    b, heads, text, h, w, d = 1, 2, 3, 4, 6, 16
+def flux_call(b, heads, text, h, w, d):
+    """Neo's stand-in Flux (its UnetPatcher) and one attention call's random q, k, v ``[b,
+    heads, text + h * w, d]`` with the rotation (``pe``) of the text and an ``h x w`` image
+    grid."""
+    unet = neo.NeoModel("flux").forge_objects.unet
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, heads, text + h * w, d, generator=g) for _ in range(3))
     ids = torch.zeros(b, text + h * w, 3)
     ids[:, text:, 1] = torch.arange(h).repeat_interleave(w).float()
     ids[:, text:, 2] = torch.arange(w).repeat(h).float()
-    pe = unet.model.diffusion_model.pe_embedder(ids)
+    return unet, q, k, v, unet.model.diffusion_model.pe_embedder(ids)
+
+
+def test_pooled_flux_call_matches_a_hand_written_reference():
+    """One attention call of Neo's Flux: our swap's answer is attention over the rotated
+    queries and keys with each 2x2 cell of image keys (and values) averaged ("before"), or the
+    raw keys averaged and rotated by the cell's mean rotation ("pooled")."""
+    b, heads, text, h, w, d = 1, 2, 3, 4, 6, 16
+    unet, q, k, v, pe = flux_call(b, heads, text, h, w, d)
 
     def cells(x):  # [B, H, S, D]: the image part's 2x2 cell means
         img = x[:, :, text:].unflatten(2, (h, w)).permute(0, 1, 4, 2, 3).flatten(0, 1)
@@ -269,15 +275,8 @@ def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
     hand-written einsum softmax with that bias on the image cells' scores only (a 5x6 grid:
     the bottom row's cells hold 2 tokens, the others 4); the generation differs from plain
     pooling and no line says the bias was not applied."""
-    model = neo.NeoModel("flux")
-    unet = model.forge_objects.unet
     b, heads, text, h, w, d = 1, 2, 3, 5, 6, 16
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, heads, text + h * w, d, generator=g) for _ in range(3))
-    ids = torch.zeros(b, text + h * w, 3)
-    ids[:, text:, 1] = torch.arange(h).repeat_interleave(w).float()
-    ids[:, text:, 2] = torch.arange(w).repeat(h).float()
-    pe = unet.model.diffusion_model.pe_embedder(ids)
+    unet, q, k, v, pe = flux_call(b, heads, text, h, w, d)
     cells = [[text + i * w + j for i in range(i0, min(i0 + 2, h)) for j in range(j0, j0 + 2)]
              for i0 in range(0, h, 2) for j0 in range(0, w, 2)]
 

@@ -11,7 +11,8 @@ Adding a DiT family:
 1. a file ``tome/dits/<name>.py`` defining ``FAMILY = Family(...)`` (``family.py`` says what
    each field is; copy the closest family):
    - ``name``: the display name (``Layout.family``, reports, console lines);
-   - ``recognise(module)``: whether a module is this family's denoiser (``by_class(...)``);
+   - ``recognise(module)``: whether a module is this family's denoiser (``by_class(...)``;
+     a ComfyUI model: ``comfy_class(...)``);
    - ``read(model) -> (Dit(...), double-stream blocks, single-stream blocks)``;
    - for diffusers models pooled through their attention processors: ``call`` (how a
      forward call gives the latent size, text length and timestep; ``latent_call`` for a

@@ -13,12 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Family, HostPoint, UnnamedDit
-
-
-def recognise(module: nn.Module) -> bool:
-    return any(c.__name__ == "CogVideoXTransformer3DModel" and c.__module__.startswith(
-        "comfy.ldm.") for c in type(module).__mro__)
+from .family import COMFYUI, Family, HostPoint, UnnamedDit, comfy_class
 
 
 def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
@@ -35,4 +30,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (int(context.shape[1]), True, 0, frames, h, w, 0)
 
 
-FAMILY = Family("comfy cogvideox", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy cogvideox", comfy_class("CogVideoXTransformer3DModel"), read,
+                host=HostPoint(COMFYUI, spans))

@@ -16,14 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Family, HostPoint, UnnamedDit
+from .family import COMFYUI, Family, HostPoint, UnnamedDit, comfy_class
 
 CLASSES = ("GeneralDIT", "MiniTrainDIT")
-
-
-def recognise(module: nn.Module) -> bool:
-    return any(c.__name__ in CLASSES and c.__module__.startswith("comfy.ldm.")
-               for c in type(module).__mro__)
 
 
 def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
@@ -51,4 +46,4 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, 0, frames, h, w, 0, cross)
 
 
-FAMILY = Family("comfy cosmos", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy cosmos", comfy_class(*CLASSES), read, host=HostPoint(COMFYUI, spans))

@@ -14,14 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
-
-
-def recognise(module: nn.Module) -> bool:
-    """The diffusion model (``comfy.ldm``), not ComfyUI's model base of the same name
-    (``comfy.model_base.Kandinsky5``, which holds it)."""
-    return any(c.__name__ == "Kandinsky5" and c.__module__.startswith("comfy.ldm.")
-               for c in type(module).__mro__)
+from .family import COMFYUI, Dit, Family, HostPoint, comfy_class
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
@@ -46,4 +39,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, 0, frames, h, w, 0, cross)
 
 
-FAMILY = Family("comfy kandinsky 5", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy kandinsky 5", comfy_class("Kandinsky5"), read,
+                host=HostPoint(COMFYUI, spans))

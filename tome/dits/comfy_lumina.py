@@ -15,12 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .family import COMFYUI, Dit, Family, HostPoint
-
-
-def recognise(module: nn.Module) -> bool:
-    return any(c.__name__ == "NextDiT" and c.__module__.startswith("comfy.ldm.")
-               for c in type(module).__mro__)
+from .family import COMFYUI, Dit, Family, HostPoint, comfy_class
 
 
 def read(model: nn.Module) -> tuple[Dit, Any, Any]:
@@ -77,4 +72,4 @@ def omni(model: nn.Module, p: int, multiple: Any, context: torch.Tensor, conds: 
     return captions + siglip, True, before, 1, *grid
 
 
-FAMILY = Family("comfy lumina", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy lumina", comfy_class("NextDiT"), read, host=HostPoint(COMFYUI, spans))

@@ -213,6 +213,14 @@ def by_class(*names: str) -> Callable[[nn.Module], bool]:
     return lambda module: any(cls.__name__ in names for cls in type(module).__mro__)
 
 
+def comfy_class(*names: str) -> Callable[[nn.Module], bool]:
+    """``recognise`` for a ComfyUI diffusion model known by its class name (any base class
+    counts) from ``comfy.ldm``, never ComfyUI's model base of the same name
+    (``comfy.model_base``, which holds it)."""
+    return lambda module: any(c.__name__ in names and c.__module__.startswith("comfy.ldm.")
+                              for c in type(module).__mro__)
+
+
 def arg(args: tuple, kwargs: dict, name: str, pos: int) -> Any:
     """A forward argument given by position or by name."""
     return args[pos] if len(args) > pos else kwargs.get(name)
