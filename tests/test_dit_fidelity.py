@@ -443,7 +443,7 @@ def test_reuse_tells_steps_calls_and_generations_apart():
     seen = []
     for p in (0.0, 0.0, 0.1, 0.1, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0):
         r.begin(p, 2, (4, 4))
-        seen.append((r.step, r.who[2]))
+        seen.append((r.step, r.who[-1]))
     # cond/uncond calls share a step, told apart by their place among the step's calls with
     # as many rows; progress going back starts a new generation; any number of calls per
     # noise level stay one step

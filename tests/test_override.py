@@ -254,9 +254,7 @@ def test_reuse_at_the_kernel_against_plain_attention_per_identity():
     text, h, w = 3, 4, 6
     n = text + h * w
     reuse = attend.Reuse(2)
-    parts = (percall._Part(0),)
-    for part in parts:
-        reuse.join(part)
+    reuse.join(0)
     pool = KvPool()
 
     def sdpa(q, k, v):  # [B, heads, S, D] -> [B, S, heads * D]
@@ -267,7 +265,8 @@ def test_reuse_at_the_kernel_against_plain_attention_per_identity():
         for who in (0, 1):
             q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
             reuse.begin(step / 4, 1, (1, h, w), (who,))
-            st = CallState(Spans(text, True, 0, 1, h, w), (2,), 1, False, reuse, parts)
+            st = CallState(Spans(text, True, 0, 1, h, w), (2,), 1, False, reuse,
+                           reuse.parts())
             got = call(pool, backend(), q, k, v, st, skip_reshape=True,
                        transformer_options={"block_type": "double", "block_index": 0})
             pooled = sdpa(q, cells(k, text, h, w), cells(v, text, h, w))
@@ -302,15 +301,16 @@ def test_compiled_calls_reuse_as_eager_with_a_few_graphs_not_one_per_step():
                                                   transformer_options=to)
 
     def run(fn):
-        reuse, parts = attend.Reuse(2), (percall._Part(0),)
-        reuse.join(parts[0])
+        reuse = attend.Reuse(2)
+        reuse.join(0)
         torch.manual_seed(0)
         outs = []
         for step in range(10):
             for who in (0, 1):
                 x = torch.randn(1, 27, 16)
                 reuse.begin(step / 10, 1, (1, 4, 6), (who,))
-                st = CallState(Spans(3, True, 0, 1, 4, 6), (2,), 1, False, reuse, parts)
+                st = CallState(Spans(3, True, 0, 1, 4, 6), (2,), 1, False, reuse,
+                               reuse.parts())
                 with percall.active(pool, st):
                     outs.append(fn(x, {"optimized_attention_override": pool,
                                        "block_index": 0, "block_type": "double"}))

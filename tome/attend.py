@@ -17,6 +17,7 @@ maths (``tome/dits/``) call these; none of them is here.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,6 +85,43 @@ class Keep:
         return ", ".join(parts)
 
 
+class Slot:
+    """One block part's residuals in one thread's generation (a ``Lane``'s): what ``Reuse``
+    keeps for it (identity -> factor -> (r, slope, at)) and, during a call, this call's
+    identity's entry (``cur``; None: the part keeps nothing). Reuse owns it; the adapters
+    hand it to their blocks (``Reuse.parts``, or pushed onto their own wrappers), so a
+    compiled block reads attributes, never a dict keyed by block."""
+
+    __slots__ = ("index", "on", "kept", "cur", "lane")
+
+    def __init__(self, index: int, on: bool, lane: Lane):
+        self.index, self.on, self.lane = index, on, lane
+        self.kept: dict[tuple, dict] = {}
+        self.cur: dict | None = None
+
+
+class Lane:
+    """One thread's generation under residual reuse: the steps, the identities seen, their
+    last refreshes, this call's decision (``who``, ``refresh``, ``active``, ``now``) and its
+    ``Slot``s. Threads never share one (ComfyUI's MultiGPU runs clones of one patch in worker
+    threads: each keeps its own residuals, on its own device)."""
+
+    def __init__(self, reuse: Reuse):
+        self.slots = tuple(Slot(i, reuse.keeps(i), self) for i in reuse.indices)
+        self.reset()
+
+    def reset(self) -> None:
+        for slot in self.slots:
+            slot.kept, slot.cur = {}, None
+        self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
+        self.seen: dict[tuple, int] = {}    # (grid, rows, host identity) -> calls at this level
+        self.step, self.last = -1, None
+        self.who: tuple | None = None       # this call's identity; None: no reuse in this call
+        self.before: int | None = None      # its last refresh before this call (``missed``)
+        self.active = self.refresh = False
+        self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
+
+
 class Reuse:
     """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): a pooled
     block's attention also runs unpooled on a refresh and keeps ``r = full - pooled``; the
@@ -92,67 +130,102 @@ class Reuse:
     until there are two; measured 1.5 dB closer than the plain residual at the same speed,
     docs/quality.md#dit).
 
-    Kept per block part, factor and *call identity*: the host's own (cond/uncond) where it
-    gives one, else the batch rows and the call's place among the calls of its noise level
-    with the same rows (so a batch that drops its uncond on some steps, or Heun's extra
-    calls, find their own residuals). An identity refreshes when it has nothing kept or its
-    last refresh is N steps old (a step the host skipped is caught up). Tied to one
-    generation and grid: ``reset`` at the host's run start (the adapters call it), and on a
-    new grid or progress going back. ``keep`` (``Keep``) says what is kept; the adapters
-    free it all at a generation's end, on errors and on removal. Memory: ``held_bytes``.
+    It owns everything it keeps: per thread (``Lane``), block part (``Slot``), *call
+    identity* and factor. An identity is the call's latent grid, its batch rows, the host's
+    own identity (cond/uncond) where it gives one, and the call's place among the calls of
+    its noise level with the same grid and rows: two grids in one step (ComfyUI's area
+    conditioning, a tiled sampler's edge tiles), a batch that drops its uncond on some steps,
+    or Heun's extra calls each find their own residuals. An identity refreshes when it has
+    nothing kept or its last refresh is N steps old (a step the host skipped is caught up).
+    ``reset`` is the one way back to nothing: every host bracket calls it at a generation's
+    start and end (``tome.generation``), on errors and on removal; without a bracket, progress
+    going back starts anew (a bare model cannot tell an interrupted generation from the next
+    img2img at the same size: open ``tome.generation`` around each one). ``keep`` (``Keep``)
+    says what is kept. Memory: ``held_bytes``.
 
     Compiled blocks (``torch.compile``, fullgraph): everything a block reads is decided on
-    the host before the call (``begin``: ``active``, ``refresh``, the step as a 0-dim tensor
-    ``now`` on the call's device, each part's residuals for this identity in
-    ``part.reuse_cur``), so a block's graph guards on a few flags only (nothing kept yet,
-    refresh, reuse) and steps and identities do not recompile."""
+    the host before the call (``begin``: the lane's ``active``, ``refresh``, the step as a
+    0-dim tensor ``now`` on the call's device, each slot's ``cur``), so a block's graph guards
+    on a few flags only (nothing kept yet, refresh, reuse) and steps and identities do not
+    recompile."""
 
     def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
         self.every, self.keep, self.extrapolate = every, keep, extrapolate
         self.order: tuple[int, ...] = ()  # pooled blocks' indices (``Keep.blocks`` counts here)
-        self.parts: list[Any] = []        # the block parts that keep residuals (``join``)
-        self.reset()
+        self.indices: list[int] = []      # the joined parts' blocks, in joining order
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._lanes: list[Lane] = []
+
+    # ---------------------------------------------------------------- lanes
+
+    def lane(self) -> Lane:
+        """This thread's lane (made at its first call)."""
+        lane = getattr(self._local, "lane", None)
+        if lane is None:
+            lane = self._local.lane = Lane(self)
+            with self._lock:
+                self._lanes.append(lane)
+        return lane
+
+    def join(self, index: int) -> int:
+        """A block part of block ``index`` whose calls go through ``around``: its position in
+        every lane's ``slots``."""
+        self.indices.append(index)
+        with self._lock:
+            for lane in self._lanes:  # lanes already made gain the slot
+                slot = Slot(index, self.keeps(index), lane)
+                if lane.who is not None and slot.on:
+                    slot.cur = slot.kept.setdefault(lane.who, {})
+                lane.slots += (slot,)
+        return len(self.indices) - 1
+
+    def parts(self) -> tuple[Slot, ...]:
+        """This thread's slots, in joining order (``join``'s positions)."""
+        return self.lane().slots
+
+    def __getattr__(self, name: str) -> Any:
+        """This thread's call state (``who``, ``step``, ``at``, ``refresh``, ``active``,
+        ``now``, ``before``) read as the reuse's own (the memory budget asks per call)."""
+        if name in ("who", "step", "at", "refresh", "active", "now", "before", "last"):
+            return getattr(self.lane(), name)
+        raise AttributeError(name)
 
     # ---------------------------------------------------------------- host side, per call
 
-    def join(self, part: Any) -> None:
-        """A block part (``part.index``: its block) whose calls go through ``around``: its
-        residuals live on it (``reuse_kept``: identity -> factor -> (r, slope, at))."""
-        part.reuse_kept, part.reuse_cur = {}, None
-        part.reuse_on = self.keeps(part.index)
-        self.parts.append(part)
-
     def reset(self) -> None:
-        """Drop everything kept and start counting steps again (a host's run start, a
-        generation's end, an error, removal)."""
-        for part in self.parts:
-            part.reuse_kept, part.reuse_cur = {}, None
-        self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
-        self.seen: dict[tuple, int] = {}    # (rows, host identity) -> calls at this noise level
-        self.step, self.last, self.grid = -1, None, None
-        self.who: tuple | None = None       # this call's identity; None: no reuse in this call
-        self.before: int | None = None      # its last refresh before this call (``missed``)
-        self.active = self.refresh = False
-        self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
+        """Drop everything kept, in every thread, and start counting steps again (a host's
+        run start, a generation's end, an error, removal)."""
+        with self._lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.reset()
 
     def set_keep(self, keep: Keep) -> None:
         """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
         refreshes at its next call; the current call too, where it reuses)."""
-        self.keep, self.at = keep, {}
-        for part in self.parts:
-            part.reuse_kept = {}
-            part.reuse_on = self.keeps(part.index)
-            part.reuse_cur = None if self.who is None else part.reuse_kept.setdefault(self.who, {})
-        self.refresh = self.who is not None
-        self.active = self.active and keep.blocks != 0
-        if self.who is not None:
-            self.at[self.who] = self.step
+        self.keep = keep
+        with self._lock:
+            lanes = list(self._lanes)
+        me = self.lane()
+        for lane in lanes:
+            lane.at = {}
+            for slot in lane.slots:
+                slot.kept, slot.on = {}, self.keeps(slot.index)
+                slot.cur = None if lane.who is None or not slot.on \
+                    else slot.kept.setdefault(lane.who, {})
+            lane.refresh = lane.who is not None
+            lane.active = lane.active and keep.blocks != 0
+            if lane.who is not None and lane is me:
+                lane.at[lane.who] = lane.step
 
     @property
     def kept(self) -> dict[tuple, tuple]:
-        """What is kept now: (block index, part, factor, identity) -> (r, slope, at)."""
-        return {(part.index, id(part), f, who): t for part in self.parts
-                for who, by in part.reuse_kept.items() for f, t in by.items()}
+        """What is kept now: (block index, slot, factor, identity) -> (r, slope, at)."""
+        with self._lock:
+            lanes = list(self._lanes)
+        return {(slot.index, id(slot), f, who): t for lane in lanes for slot in lane.slots
+                for who, by in slot.kept.items() for f, t in by.items()}
 
     def held_bytes(self) -> int:
         """Bytes kept now (the residuals and slopes)."""
@@ -167,41 +240,55 @@ class Reuse:
         the sampler's own step number, where the host tells it (ComfyUI: the sigma's place
         in its schedule), so steps a cache answered without calling the model still count;
         else the noise levels seen are counted."""
-        self.who, self.active = None, False
+        lane = self.lane()
+        lane.who, lane.active = None, False
+        for slot in lane.slots:
+            slot.cur = None
         if not self.every or self.keep.blocks == 0:
             return
-        if grid != self.grid or (self.last is not None and p < self.last):
-            self.reset()  # another image, or progress went back: another generation
-            self.grid = grid
-        if p != self.last:
-            self.step = self.step + 1 if step is None else step
-            self.last, self.seen = p, {}
-            self.now = torch.full((), float(self.step), device=device)
-        ident = (rows, who)
-        n = self.seen[ident] = self.seen.get(ident, -1) + 1
-        who = self.who = (rows, who, n)
-        at = self.before = self.at.get(who)
-        self.refresh = at is None or self.step - at >= self.every
-        if self.refresh:
-            self.at[who] = self.step
-        for part in self.parts:
-            part.reuse_cur = part.reuse_kept.setdefault(who, {})
-        self.active = True
+        if lane.last is not None and p < lane.last:
+            lane.reset()  # progress went back: another generation (no bracket said so)
+        if p != lane.last:
+            lane.step = lane.step + 1 if step is None else step
+            lane.last, lane.seen = p, {}
+            lane.now = torch.full((), float(lane.step), device=device)
+        ident = (tuple(grid), rows, who)
+        n = lane.seen[ident] = lane.seen.get(ident, -1) + 1
+        who = lane.who = (*ident, n)
+        at = lane.before = lane.at.get(who)
+        lane.refresh = at is None or lane.step - at >= self.every
+        if lane.refresh:
+            lane.at[who] = lane.step
+        for slot in lane.slots:
+            slot.cur = slot.kept.setdefault(who, {}) if slot.on else None
+        lane.active = True
 
     def missed(self) -> None:
         """This call was to refresh but ran no pooled attention (a cache answered it inside
         the model): its refresh is left to the identity's next call."""
-        if self.refresh and self.who is not None:
-            if self.before is None:
-                self.at.pop(self.who, None)
+        lane = self.lane()
+        if lane.refresh and lane.who is not None:
+            if lane.before is None:
+                lane.at.pop(lane.who, None)
             else:
-                self.at[self.who] = self.before
+                lane.at[lane.who] = lane.before
 
     # ---------------------------------------------------------------- in the block
 
     def keeps(self, index: int) -> bool:
         n = self.keep.blocks
         return n is None or index in (self.order[:n] if self.order else range(n))
+
+    def slot_of(self, part: Any) -> Slot | None:
+        """``part``'s slot in this call: a ``Slot``, or one pushed onto an adapter's own
+        wrapper (``reuse_slot``); a part no adapter joined (a test's) joins now."""
+        if isinstance(part, Slot):
+            return part
+        slot = getattr(part, "reuse_slot", None)
+        if slot is None:  # eager only: tests call maths on wrappers no patch made
+            pos = self.join(getattr(part, "index", 0))
+            part.reuse_slot = slot = self.parts()[pos]
+        return slot
 
     def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
                span: tuple[int, int] | None = None) -> torch.Tensor:
@@ -210,26 +297,25 @@ class Reuse:
         or on a refresh (or with nothing kept for this part and factor) ``full()``, keeping
         ``full - out`` per ``keep``. ``full(rows=None)``: the unpooled attention (of the first
         ``rows`` query rows only, where given: the auto policy times a refresh's share with
-        it). ``key``: (part, factor), the part ``join``ed. Outside a call with reuse: ``out``."""
-        if not self.active:
+        it). ``key``: (part, factor). Outside a call with reuse: ``out``."""
+        if not self.every:
             return out
         part, factor = key
-        if getattr(part, "reuse_on", None) is None:  # a part no adapter joined (a test's)
-            self.join(part)
-            part.reuse_cur = part.reuse_kept.setdefault(self.who, {})
-        if not part.reuse_on:
+        slot = self.slot_of(part)
+        lane = slot.lane
+        if not lane.active or slot.cur is None:
             return out
-        cur = part.reuse_cur
+        cur = slot.cur
         kept = cur.get(factor)
         image = span if self.keep.image_only and span is not None else None
         if kept is not None and kept[0].shape != (out.shape if image is None else out.narrow(
                 dim, image[0], image[1] - image[0]).shape):
             kept = None  # another text length under the same identity: start again
-        if kept is not None and not self.refresh:
+        if kept is not None and not lane.refresh:
             r, slope, at = kept
             add = r.to(out.dtype)
             if slope is not None:
-                add = add + slope.to(out.dtype) * (self.now - at).clamp(max=self.every)
+                add = add + slope.to(out.dtype) * (lane.now - at).clamp(max=self.every)
             if image is None:
                 return out + add
             a, b = image
@@ -242,10 +328,10 @@ class Reuse:
         slope = None
         if self.extrapolate and self.keep.slope:
             slope = torch.zeros_like(r) if kept is None else \
-                (r - kept[0].to(r.dtype)) / (self.now - kept[2]).clamp(min=1)
+                (r - kept[0].to(r.dtype)) / (lane.now - kept[2]).clamp(min=1)
         dt = self.keep.dtype
         cur[factor] = (r if dt is None else r.to(dt),
-                       slope if slope is None or dt is None else slope.to(dt), self.now)
+                       slope if slope is None or dt is None else slope.to(dt), lane.now)
         return f
 
 

@@ -349,7 +349,8 @@ class ReuseBudget:
             return self.schedule
         r, grid = self.reuse, tuple(size)
         first = r.who is not None and r.step == 0 and len(r.at) == 1 and r.refresh
-        new = first or grid != self.grid or self.last is None or p < self.last
+        # a new grid is a new call identity (two grids in one step), not a new generation
+        new = first or self.last is None or p < self.last
         self.grid, self.last = grid, p
         if new:
             self.calls = {}
@@ -360,7 +361,7 @@ class ReuseBudget:
         elif r.who is None or r.who in self.calls:  # off for this generation, or counted
             return self.fallback if self.keep.blocks == 0 else self.schedule
         who = r.who if r.who is not None else ("call", x.shape[0])
-        self.calls[who] = int(x.shape[0])
+        self.calls[who] = (int(x.shape[0]), call_parts(self.specs, self.layout, x, size, text))
         self._decide(x, size, text, p)
         if r.who is not None and who != r.who:  # reuse back on at this call: its identity
             self.calls[r.who] = self.calls.pop(who)
@@ -369,7 +370,10 @@ class ReuseBudget:
     def _decide(self, x: torch.Tensor, size: tuple[int, ...], text: int, p: float) -> None:
         r, dtype = self.reuse, self._dtype(x)
         parts = call_parts(self.specs, self.layout, x, size, text)
-        rows = sum(self.calls.values())
+        groups = list(self.calls.values())  # per identity: its rows and its grid's parts
+
+        def need_of(keep: Keep) -> int:
+            return sum(reuse_bytes(ps, rows, dtype, keep, self.order) for rows, ps in groups)
         free = available(x.device)
         if free is not None:
             free += r.held_bytes()  # what it keeps now is freed if it keeps less
@@ -378,10 +382,14 @@ class ReuseBudget:
             * _elem(dtype)
         if self.fixed is not None:
             keep = self.fixed
-            need = reuse_bytes(parts, rows, dtype, keep, self.order)
+            need = need_of(keep)
         else:
-            keep, need = fit(parts, rows, dtype, free, reserve, self.order, x.device.type)
-        full = reuse_bytes(parts, rows, dtype, Keep(), self.order)
+            keep, need = Keep(blocks=0), 0
+            for step in ladder(dtype, x.device.type):  # ``fit`` over every identity's grid
+                if fits(n := need_of(step), reserve, free):
+                    keep, need = step, n
+                    break
+        full = need_of(Keep())
         if keep != r.keep:
             r.set_keep(keep)
             if r.who is None and keep.blocks != 0:  # back from no reuse: this call reuses

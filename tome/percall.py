@@ -25,15 +25,16 @@ Queries and text stay whole, so every token keeps its output. Proportional atten
 ``attend.count_channel``'s extra query/key channel (kernels that drop masks).
 
 ``torch.compile``: the attention calls are traced with the model. A state read from the
-host's options would keep one step's graph for the next, so the call's state is the module
-slot ``_active`` (plain ints, set around the call by ``Core.running``), which a compiled
-graph guards on: one graph per grid and pooled/unpooled state.
+host's options would keep one step's graph for the next, so the call's state is a
+thread-local slot (``active``: plain ints, set around the call by ``Core.running``), which a
+compiled graph guards on: one graph per grid and pooled/unpooled state.
 
 Pure torch: nothing here imports a host.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,18 +129,18 @@ class CallState(NamedTuple):
 
 # ----------------------------------------------------------------------------- the bracket
 
-_active: tuple[Any, CallState | None, Any] | None = None  # (owner, state, chained callable)
+_local = threading.local()  # .active: (owner, state, chained) of this thread's model call
 
 
 def now() -> tuple[Any, CallState | None, Any]:
     """``(owner, state, chained)`` of the current model call (Nones outside one)."""
-    active = _active
+    active = getattr(_local, "active", None)
     return active if active is not None else (None, None, None)
 
 
 def current(owner: Any) -> tuple[CallState | None, Any]:
     """``(state, chained)`` of the current model call where ``owner`` made it current."""
-    active = _active
+    active = getattr(_local, "active", None)
     if active is not None and active[0] is owner:
         return active[1], active[2]
     return None, None
@@ -147,13 +148,14 @@ def current(owner: Any) -> tuple[CallState | None, Any]:
 
 @contextmanager
 def active(owner: Any, state: CallState | None, chained: Any = None) -> Iterator[None]:
-    """``state`` is the current call's (what ``owner``'s attention calls read) inside."""
-    global _active
-    before, _active = _active, (owner, state, chained)
+    """``state`` is the current call's (what ``owner``'s attention calls read) inside, in this
+    thread only (ComfyUI's MultiGPU samples clones of one patch in worker threads at once)."""
+    before = getattr(_local, "active", None)
+    _local.active = (owner, state, chained)
     try:
         yield
     finally:
-        _active = before
+        _local.active = before
 
 
 def note(skipped: list, block: Any, why: str) -> None:
@@ -279,7 +281,7 @@ class Core:
         p = layout.dit.patch
         self.planner = plan.Planner(self.applied, p, None, [p],
                                     method=dit.method_for(self.applied), window=window)
-        self.reuse, self.budget, self.parts = self._reuse(layout)
+        self.reuse, self.budget = self._reuse(layout)
         self.skipped: list[tuple[Any, str]] = []
         self.calls = self.fired = self.installed = 0  # model calls / that reached our
         # attention / that ran with it installed
@@ -294,24 +296,23 @@ class Core:
     def __deepcopy__(self, memo: dict) -> Core:
         return self  # shared by clones (ComfyUI deep-copies options): one patch
 
-    def _reuse(self, layout: Layout) -> tuple[Any, Any, tuple]:
-        """Residual reuse, its memory budget and one part per block (what its residuals are
-        kept on), or Nones where the settings reuse nothing. The budget counts each pooled
+    def _reuse(self, layout: Layout) -> tuple[Any, Any]:
+        """Residual reuse (one part per block: ``CallState.parts``, this thread's slots) and its
+        memory budget, or Nones where the settings reuse nothing. The budget counts each pooled
         block's attention output over the call's whole sequence (text and references too)
         at the block's token width."""
         if not self.applied.reuse:
-            return None, None, ()
+            return None, None
         n = len(self.kinds)
         counts = [memory.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
         reuse = attend.Reuse(self.applied.reuse)
         reuse.order = tuple(i for i, c in enumerate(counts) if c)
-        parts = tuple(_Part(i) for i in range(n))
-        for part in parts:
-            reuse.join(part)
+        for i in range(n):
+            reuse.join(i)
         budget = memory.ReuseBudget(layout, self.applied, reuse.order, reuse)
         budget.specs = [(i, True, _width(layout.blocks[i].module), counts[i])
                         for i in reuse.order]
-        return reuse, budget, parts
+        return reuse, budget
 
     def reset(self, *_: Any) -> None:
         """Drop what residual reuse keeps (the host's run start and end: ComfyUI's
@@ -371,7 +372,7 @@ class Core:
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
                                                                   spans.frames))
         return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
-                         reuse, self.parts if reuse is not None else ())
+                         reuse, reuse.parts() if reuse is not None else ())
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,
@@ -434,13 +435,6 @@ class Core:
         else:
             why = "no attention call had the lengths of this model's text and image tokens"
         return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
-
-
-class _Part:
-    """One block's residuals under reuse (``attend.Reuse.join`` keeps them on it)."""
-
-    def __init__(self, index: int):
-        self.index = index
 
 
 def _width(block: nn.Module) -> int:

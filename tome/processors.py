@@ -56,6 +56,7 @@ class _State:
         self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
         self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
+        self.joined: list[Any] = []    # the wrappers and shadows whose residuals reuse keeps
 
     def push(self) -> None:
         """Set each wrapper's plan for this call (``PoolingProcessor.current``) on the host:
@@ -63,6 +64,10 @@ class _State:
         on the block's index (one graph for every block, steps and identities alike)."""
         for part in self.parts:
             part.current = None if self.plan is None else self.plan_for(part.index, part.kind)
+        if self.joined:  # this thread's slots of residual reuse, on our own wrappers
+            slots = self.reuse.parts()
+            for part in self.joined:
+                part.reuse_slot = slots[part.reuse_pos]
 
     def plan_for(self, index: int, kind: str) -> dit.DitPlan | None:
         """Block ``index``'s plan in this call: the schedule's factor for it now, or None."""
@@ -338,8 +343,9 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         for i, b in targets:
             state.wrapped += _wrap(b.module, family, state, i, b.kind)
         for *_, ours in state.wrapped:  # the parts that keep residuals (on themselves)
-            if hasattr(ours, "index"):
-                state.reuse.join(ours)
+            if hasattr(ours, "index") and config.reuse:
+                ours.reuse_pos = state.reuse.join(ours.index)
+                state.joined.append(ours)
             if isinstance(ours, PoolingProcessor):
                 ours.pushed = True
                 state.parts.append(ours)
