@@ -19,7 +19,8 @@ LAYERS = [
     ("tome.merge",),
     ("tome.methods",),
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
-    ("tome.attend",),   # attention over pooled keys: the bias per kernel, residual reuse
+    ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
+    ("tome.attend",),   # attention over pooled keys: the bias per kernel
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
@@ -27,6 +28,7 @@ LAYERS = [
     ("tome.plan",),
     ("tome.report",),
     ("tome.percall_calls",),  # the per-call core's reading of one call: key spans, GQA, tally
+    ("tome.handle",),   # the patch handle: what a host drives a ModelPatcher patch by
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
     ("tome.modelpatcher", "tome.percall"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
@@ -204,3 +206,25 @@ def test_no_library_module_is_over_450_lines():
     long = {_name(p): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+ADAPTER_MODULES = ("tome.percall", "tome.override", "tome.swap", "tome.patcher",
+                   "tome.modelpatcher", "tome.processors", "tome.patch", "tome.percall_runner")
+
+
+def test_the_host_layers_and_the_lab_import_no_adapter_module():
+    """The hosts drive a patch through ``adapters`` and its ``PatchHandle`` (callbacks passed
+    in, the after-sampling line asked for), never the adapters' objects; the lab likewise
+    (it reads the public API)."""
+    found = {m: sorted(i for i in imports if i in ADAPTER_MODULES)
+             for m, imports in GRAPH.items()
+             if m.startswith(("tome.webui", "tome.comfy"))}
+    lab = ROOT.parent / "tome_lab"
+    for path in sorted(lab.rglob("*.py")):
+        text = path.read_text()
+        names = [m for m in ADAPTER_MODULES if f"{m} import" in text or f"import {m}" in text
+                 or f"from tome import {m.rpartition('.')[2]}" in text
+                 or f"{m}." in text]
+        if names:
+            found[str(path.relative_to(lab.parent))] = names
+    assert not {m: i for m, i in found.items() if i}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from . import adapters as _adapters
@@ -105,6 +107,27 @@ _TOMESD = {name: p.default for name, p in inspect.signature(apply_patch).paramet
 def remove_patch(model: Any) -> Any:
     """Remove the patch; the model's outputs are then bit-identical to the unpatched model."""
     return _adapters.remove(model)
+
+
+def patch_handle(model: Any) -> _adapters.PatchHandle | None:
+    """The patch on ``model`` (a pipeline, a module, a ComfyUI/Forge ModelPatcher clone) as a
+    host drives it: settings as applied, limits, reuse's memory; None where none."""
+    return _adapters.handle(model)
+
+
+@contextmanager
+def generation(model: Any) -> Iterator[Any]:
+    """One generation on a patched ``model``: what the patch keeps across steps (residual
+    reuse) is dropped on entering and on leaving, also on an error or an interrupt. Every
+    host bracket opens it (a diffusers pipeline's denoising loop, ComfyUI's run callbacks,
+    the WebUI's generation); open it yourself around a hand-written sampling loop or an
+    unknown host's. Without it a bare model cannot tell an interrupted generation from the
+    next img2img at the same size (progress going back is its only sign)."""
+    _adapters.reset(model)
+    try:
+        yield model
+    finally:
+        _adapters.reset(model)
 
 
 def is_patched(model: Any) -> bool:

@@ -35,6 +35,7 @@ from . import (
 )
 from .config import ToMeConfig
 from .dits.family import COMFYUI, FORGE_NEO
+from .handle import Callbacks, PatchHandle
 from .layout import Layout, read
 from .report import STATE_ATTR, PatchReport
 
@@ -120,6 +121,16 @@ def remove(model: Any, during_call: bool = False) -> Any:
     return model
 
 
+def reset(model: Any) -> None:
+    """Drop what our patch on ``model`` keeps across steps (a generation's start or end):
+    a pipeline's transformers, a module, a ModelPatcher clone, a Forge model's pass patcher."""
+    for m in (model, _second(model),
+              getattr(getattr(model, "forge_objects", None), "unet", None)):
+        found = handle(m) if m is not None else None
+        if found is not None:
+            found.reset()
+
+
 _parked: list[Any] = []  # call hooks of patches removed during a call (``remove``)
 
 
@@ -139,15 +150,68 @@ def flush() -> None:
 
 def patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
                         sampling_patcher: Callable[[], Any] | None = None,
-                        measurer: Any = None) -> tuple[Any, PatchReport]:
+                        measurer: Any = None, callbacks: Callbacks | None = None
+                        ) -> tuple[Any, PatchReport]:
     """A ModelPatcher clone carrying our patch, and the report: the attn1 patch
     (``patcher.py``) with its measuring runner on a UNet; on a DiT the per-call core through
     Forge Neo's swap or ComfyUI's override (a DiT neither reaches passes through with the
     report's ``nothing``). A patcher that already carries ours is returned with its report
-    (Forge may patch one pass twice)."""
+    (Forge may patch one pass twice). ``callbacks``: the host's (``handle.Callbacks``),
+    given to the patch; ``handle(clone)`` is what the host then drives it by."""
     done = getattr(unet_patcher, modelpatcher.MARK, None)
     if done is not None:
         return unet_patcher, done.report
+    clone, report = _patch_model_patcher(unet_patcher, config, sampling_patcher, measurer)
+    found = handle(clone)
+    if callbacks is not None and found is not None and clone is not unet_patcher:
+        found.attach(callbacks)
+    return clone, report
+
+
+def handle(model: Any) -> PatchHandle | None:
+    """The handle of our patch (``PatchHandle``) on a ModelPatcher clone or on a model held
+    as plain modules (a pipeline, a transformer, a UNet), or None."""
+    mark = getattr(model, modelpatcher.MARK, None)
+    if mark is not None and getattr(mark, "report", None) is not None:
+        return PatchHandle(mark, mark.report, isinstance(mark, percall.Core))
+    if model is None or mark is not None:
+        return None
+    state = patch.state_of(model)
+    return None if state is None else PatchHandle(state, getattr(state, "report", None), False)
+
+
+NOT_TIMED = patcher.NOT_TIMED  # why a host's DiT blocks are not timed (Measure now's line)
+
+
+def carried(unet_patcher: Any) -> tuple[bool, bool]:
+    """What token merging a ModelPatcher already carries: ours (an earlier ToMe node's attn1
+    patch or apply_model wrapper), and another's (ComfyUI's built-in TomePatchModel)."""
+    ours, foreign = modelpatcher.carried(unet_patcher)
+    return bool(ours) or override.carried(unet_patcher), bool(foreign)
+
+
+def strip_merging(unet_patcher: Any) -> None:
+    """Remove every token merging from ``unet_patcher`` (a clone): ours and tomesd's attn1
+    patches, our apply_model wrapper."""
+    modelpatcher.strip(unet_patcher,
+                       lambda f: modelpatcher.is_ours(f) or modelpatcher.is_tomesd(f))
+    override.strip(unet_patcher)
+
+
+def without_tomesd(options: dict) -> dict | None:
+    """``transformer_options`` without another token merging's attn1 patches (ComfyUI's
+    built-in TomePatchModel added after ours), or None where it has none."""
+    patches = options.get("patches") or {}
+    lists = {n: patches[n] for n in modelpatcher.ATTN1_LISTS if n in patches}
+    if not any(modelpatcher.is_tomesd(fn) for fns in lists.values() for fn in fns):
+        return None
+    kept = {n: [fn for fn in fns if not modelpatcher.is_tomesd(fn)] for n, fns in lists.items()}
+    return {**options, "patches": {**patches, **kept}}
+
+
+def _patch_model_patcher(unet_patcher: Any, config: ToMeConfig,
+                         sampling_patcher: Callable[[], Any] | None,
+                         measurer: Any) -> tuple[Any, PatchReport]:
     layout = read(getattr(unet_patcher, "model", None))
     sampling = modelpatcher.model_sampling(unet_patcher)
     if layout.dit is not None:

@@ -58,6 +58,10 @@ class _State:
         self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
         self.joined: list[Any] = []    # the wrappers and shadows whose residuals reuse keeps
 
+    def reset(self) -> None:
+        """Drop what residual reuse keeps (a generation's start and end)."""
+        self.reuse.reset()
+
     def push(self) -> None:
         """Set each wrapper's plan for this call (``PoolingProcessor.current``) on the host:
         a compiled block then reads its own attribute, and its graph guards on the plan, not
@@ -376,9 +380,11 @@ class Bracket:
     def reset(self) -> None:
         pipe = self.pipe()
         for name in ("transformer", "transformer_2"):
-            state = vars(getattr(pipe, name, None) or nn.Module()).get(STATE_ATTR)
+            module = getattr(pipe, name, None)
+            module = getattr(module, "_orig_mod", module)  # compiled after patching
+            state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
             if isinstance(state, _State):
-                state.reuse.reset()
+                state.reset()
 
 
 class _Run:

@@ -78,22 +78,17 @@ def _pooled(model, spec: dict[str, Any] | None):
         keep = spec.pop("keep", None)
         tome.apply_patch(model, **{"method": "downsample", **spec})
         if keep is not None:
-            _state(model).budget.fixed = keep
+            tome.patch_handle(model).fix_keep(keep)
     try:
         yield
     finally:
         tome.remove_patch(model)
 
 
-def _state(model) -> Any:
-    from tome.patch import state_of
-    return state_of(model)
-
-
 def held(model) -> int:
     """Bytes residual reuse holds on ``model`` now (0 without a patch or reuse)."""
-    reuse = getattr(_state(model), "reuse", None)
-    return reuse.held_bytes() if reuse is not None else 0
+    found = tome.patch_handle(model)
+    return found.held_bytes() if found is not None else 0
 
 
 def evaluate(model, images: list[tuple[int, int]], steps: int, size: int,

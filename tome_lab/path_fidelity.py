@@ -31,7 +31,6 @@ from torch import nn
 
 import tome
 from tome import adapters
-from tome.modelpatcher import MARK
 
 from . import quality
 
@@ -327,7 +326,8 @@ def compare(images: list[tuple[int, int]], steps: int = 20, size: int = 64,
         clone, limits = on, []
         if config is not None:
             clone, _ = adapters.patch_model_patcher(on, config)
-            limits = list(getattr(getattr(clone, MARK, None), "limits", None) or [])
+            found = adapters.handle(clone)
+            limits = found.limits if found is not None else []
         return [comfy_sample(clone, table, [cls], seed, steps, size, guidance)[0]
                 for cls, seed in images], limits
 

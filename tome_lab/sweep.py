@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
+from tome import adapters as _patch
 from tome import layout as _layout
-from tome import patch as _patch
 from tome import policy
 from tome.config import ToMeConfig
 from tome.measure import decide, measure
-from tome.patch import run_block
 
 from .device import device_name, pick_device, pick_dtype
 from .models import build_case, ldm_sdpa
@@ -119,7 +118,7 @@ def sweep_case(case: Any, config: ToMeConfig, repeats: int, rounds: int,
     latent = (case.size // 8, case.size // 8)
     t0 = time.perf_counter()
     m = measure(unet, latent, case.batch, config, rounds=rounds, levels=levels,
-                runner=run_block)
+                runner=_patch.runner(_layout.read(unet)))
     measure_s = time.perf_counter() - t0
     measured = {r.level: r for r in m.rows}
     settings: dict[str, Any] = {"unmerged": None}

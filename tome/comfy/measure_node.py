@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import adapters, patcher, policy
+from .. import adapters, policy
 from ..layout import UnsupportedModelError, read
 from ..measurements import Measurer
 from ..survey import HEAD, Survey, survey
@@ -59,7 +59,7 @@ def run(model: Any, sizes: list[int], service: Measurer,
     runner = adapters.runner(layout, adapters.MODEL_PATCHER)
     device = load(model) if runner is not None else None
     found = survey(layout, sizes, service, runner, device, DEFAULT,
-                   not_timed=f"not measured: {patcher.NOT_TIMED}", remeasure=bool(remeasure))
+                   not_timed=f"not measured: {adapters.NOT_TIMED}", remeasure=bool(remeasure))
     return table(found), plot(found)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, modelpatcher, override, percall, percall_calls, policy
+from .. import adapters, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
@@ -68,7 +68,7 @@ class SamplingGuard:
         out = executor(*args, **kwargs)
         if self.patch is not None and not self.patch.calls and not self.silent_told:
             self.silent_told = True
-            self.say(self.patch.SILENT)
+            self.say(self.patch.silent)
         return out
 
     def tell_window(self, options: dict) -> None:
@@ -89,49 +89,38 @@ class SamplingGuard:
                  f"({self.window.sigma_text()}): merging in {inside} of {steps} steps")
 
     def _without_tomesd(self, options: dict) -> dict:
-        patches = options.get("patches") or {}
-        lists = {name: patches[name] for name in modelpatcher.ATTN1_LISTS if name in patches}
-        if not any(modelpatcher.is_tomesd(fn) for fns in lists.values() for fn in fns):
+        kept = adapters.without_tomesd(options)
+        if kept is None:
             return options
         if not self.told:
             self.told = True
             self.say("ToMe: another token merging (ComfyUI's built-in TomePatchModel) was "
                      "added after this ToMe node; it is ignored so tokens are never merged "
                      "twice")
-        kept = {name: [fn for fn in fns if not modelpatcher.is_tomesd(fn)]
-                for name, fns in lists.items()}
-        return {**options, "patches": {**patches, **kept}}
+        return kept
 
 
 class AfterSampling:
     """A ComfyUI ``outer_sample`` wrapper on our clone: after each sampling, one line: where
     the patch did nothing, why; else how many attention calls it pooled and what the rest
-    were (``percall_calls.line``); a report of what happened, not of what was installed (the
-    node's line at graph time says what was installed). The override counts its model and
-    attention calls (``percall.Core.counts``, ``tallies``: Python ints on the host, no tensor
-    read; calls replayed by a compiled graph are named, not counted); the UNet's attn1 patch
-    counts its calls. An interrupted sampling says nothing."""
+    were (``PatchHandle.after``); a report of what happened, not of what was installed (the
+    node's line at graph time says what was installed). The patch counts its calls on the
+    host (Python ints, no tensor read; calls replayed by a compiled graph are named, not
+    counted). An interrupted sampling says nothing."""
 
-    def __init__(self, mark: Any, guard: SamplingGuard, say: Callable[[str], Any]):
-        self.mark, self.guard, self.say = mark, guard, say
+    def __init__(self, patch: adapters.PatchHandle, guard: SamplingGuard,
+                 say: Callable[[str], Any]):
+        self.patch, self.guard, self.say = patch, guard, say
 
     def __deepcopy__(self, memo: dict) -> AfterSampling:
         return self
 
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
-        mark = self.mark
-        counted = isinstance(mark, percall.Core)
-        since = mark.counts() if counted else mark.calls
-        tallies = mark.tallies() if counted else None
+        since = self.patch.since()
         out = executor(*args, **kwargs)
-        if counted:
-            steps = mark.sampling() if isinstance(mark, override.OverridePatch) else None
-            line = mark.not_pooled(since) or percall_calls.line(mark.tallies(), tallies, steps)
-        elif mark.calls == since and not self.guard.silent_told:
+        line = self.patch.after(since, told_silent=self.guard.silent_told)
+        if line and not self.patch.per_call:
             self.guard.silent_told = True  # the guard tells it at a call where it runs
-            line = mark.SILENT
-        else:
-            line = None
         if line:
             self.say(line)
         return out
@@ -149,55 +138,55 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         say(f"ToMe: {', '.join(ignored)} do nothing in ComfyUI (its patch points reach only "
             "self-attention)")
     base = model
-    ours, foreign = modelpatcher.carried(model)
-    wrapped = override.carried(model)
-    if ours or foreign or wrapped:
+    ours, foreign = adapters.carried(model)
+    if ours or foreign:
         base = model.clone()
-        modelpatcher.strip(base, lambda f: modelpatcher.is_ours(f) or modelpatcher.is_tomesd(f))
-        override.strip(base)
+        adapters.strip_merging(base)
         if hasattr(base, "remove_wrappers_with_key"):  # its guard and report: ours replace them
             for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
                 base.remove_wrappers_with_key(kind, GUARD_KEY)
-        what = "an earlier ToMe node's patch" if ours or wrapped else ""
+        what = "an earlier ToMe node's patch" if ours else ""
         if foreign:
             what += (" and " if what else "") + "ComfyUI's built-in TomePatchModel"
         say(f"ToMe: the model already carried {what}; this node replaces it, so tokens are "
             "never merged twice")
     guard = SamplingGuard(say)
     service = host.measuring_service() if config.policy == "auto" else None
+    # the host's callbacks, handed to the patch (the override's apply_model wrapper runs
+    # outside a compiled model: it tells the window; other overrides chained, said)
+    callbacks = adapters.Callbacks(say=say, on_call=guard.tell_window, leave=host.leaves)
     try:
-        clone, report = adapters.patch_model_patcher(base, config, lambda: guard.view, service)
+        clone, report = adapters.patch_model_patcher(base, config, lambda: guard.view, service,
+                                                     callbacks)
     except UnsupportedModelError as e:
         say(f"{e}; {PASSES}")
         return model
     if report.nothing:
         say(f"{report.nothing}; {PASSES}")
         return model
-    mark = getattr(clone, modelpatcher.MARK, None)
-    if report.adapter == override.ADAPTER:
+    patch = adapters.handle(clone)
+    if patch is not None and patch.per_call:
         if not host.attention_override():
             say(f"ToMe: this ComfyUI has no attention override (added in 0.3.60), so DiTs are "
                 f"not pooled; update ComfyUI; {PASSES}")
             return model
     else:
-        guard.patch = mark
+        guard.patch = patch
     if not report.planner.window.full:
         guard.window = report.planner.window
-    if report.adapter == override.ADAPTER:  # its apply_model wrapper, outside a compiled model
-        mark.on_call = guard.tell_window
-        mark.pool.leave, mark.pool.say = host.leaves, say  # other overrides: chained, said
-    elif hasattr(clone, "add_wrapper_with_key"):
+    if (patch is None or not patch.per_call) and hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
-    if mark is not None and hasattr(clone, "add_wrapper_with_key"):
-        clone.add_wrapper_with_key(OUTER_SAMPLE, GUARD_KEY, AfterSampling(mark, guard, say))
+    if patch is not None and hasattr(clone, "add_wrapper_with_key"):
+        clone.add_wrapper_with_key(OUTER_SAMPLE, GUARD_KEY, AfterSampling(patch, guard, say))
     if config.policy == "auto":
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
     say(report.summary())
-    # a DiT's: what the settings resolved to here (a UNet's patch has no ``applied``)
-    text = report.facts.describe(getattr(mark, "applied", None))
+    # a DiT's: what the settings resolved to here
+    text = report.facts.describe(patch.applied if patch is not None and patch.per_call
+                                 else None)
     if text:
-        limits = mark.limits
+        limits = patch.limits
         say(f"ToMe DiT: {text}"
             + (f" (this ComfyUI form cannot apply: {', '.join(limits)})" if limits else ""))
     return clone

@@ -23,7 +23,6 @@ from .. import adapters, policy, survey
 from ..config import ToMeConfig
 from ..layout import UNET, UnsupportedModelError, denoiser, find_unet, read
 from ..measurements import Measurer
-from ..patcher import MARK
 from ..report import PatchReport
 from . import infotext, narrate
 from . import script_args as A
@@ -185,7 +184,8 @@ def forge(model: Any) -> bool:
     return hasattr(model, "forge_objects")
 
 
-def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None) -> PatchReport:
+def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None,
+                callbacks: adapters.Callbacks | None = None) -> PatchReport:
     """Patch the current model for one pass with the adapter this host speaks: the Forge
     family's pass clone of its ModelPatcher (``patcher.py``; extensions after us clone ours),
     A1111's UNet in place (``patch.py``). Raises ``UnsupportedModelError`` for a model
@@ -193,16 +193,16 @@ def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None) -> PatchR
     if not forge(model):
         return adapters.apply(model, cfg, service)
     unet, report = adapters.patch_model_patcher(model.forge_objects.unet, cfg,
-                                                lambda: model.forge_objects.unet, service)
+                                                lambda: model.forge_objects.unet, service,
+                                                callbacks)
     model.forge_objects.unet = unet
     return report
 
 
-def forge_patch(model: Any) -> Any:
-    """The Forge family: our patch on the pass's UNet patcher (a DiT's carries ``limits``,
-    what this host cannot apply, and ``on_silent``, told when it was never reached), or
-    None."""
-    return getattr(getattr(getattr(model, "forge_objects", None), "unet", None), MARK, None)
+def forge_patch(model: Any) -> adapters.PatchHandle | None:
+    """The Forge family: the handle of our patch on the pass's UNet patcher (a DiT's names
+    ``limits``, what this host cannot apply), or None."""
+    return adapters.handle(getattr(getattr(model, "forge_objects", None), "unet", None))
 
 
 def measurable(model: Any) -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import adapters, is_patched, methods, percall_calls, policy, remove_patch
+from .. import adapters, is_patched, methods, policy, remove_patch
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError
 from ..report import PatchReport
@@ -50,7 +50,7 @@ class Generation:
     last_model: Any = field(default=None, repr=False)   # weakref to the model handled last
     # The per-call core's patches of the passes sampling now (Forge Neo's swap): (pass, patch,
     # its counts and tallies at the pass's start), told when the pass ends (``_tally``).
-    tallied: list[tuple[str, Any, tuple, tuple]] = field(default_factory=list, repr=False)
+    tallied: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)
 
     def pass_name(self, p: Any) -> str:
         if self.img2img:
@@ -245,13 +245,13 @@ def _skips(p: Any, gen: Generation) -> None:
     gen.voice.skipped_blocks(p, list(skipped.values()))
 
 
-def _track(gen: Generation, name: str, mark: Any) -> None:
-    """A pass patched through the per-call core (``percall.Core``: Forge Neo's swap), which
-    counts its attention calls: the pass before it has ended, so its line is told now."""
-    if not hasattr(mark, "tallies") or any(m is mark for _, m, _, _ in gen.tallied):
+def _track(gen: Generation, name: str, patch: Any) -> None:
+    """A pass patched through the per-call core (Forge Neo's swap), which counts its
+    attention calls: the pass before it has ended, so its line is told now."""
+    if patch is None or not patch.per_call or any(m == patch for _, m, _ in gen.tallied):
         return
     _tally(gen)
-    gen.tallied.append((name, mark, mark.counts(), mark.tallies()))
+    gen.tallied.append((name, patch, patch.since()))
 
 
 def _tally(gen: Generation) -> None:
@@ -259,10 +259,9 @@ def _tally(gen: Generation) -> None:
     nothing was pooled (a never-reached swap said so at its first call), or how many
     attention calls were pooled and what the rest were. An interrupted pass says nothing."""
     while gen.tallied:
-        name, mark, counts, tallies = gen.tallied.pop(0)
-        reached = mark.counts()[1] > counts[1]
-        why = mark.not_pooled(counts) if reached or mark.on_silent is None else None
-        gen.voice.tally(name, why or percall_calls.line(mark.tallies(), tallies))
+        name, patch, since = gen.tallied.pop(0)
+        whole = patch.reached(since) or not patch.said_silent()
+        gen.voice.tally(name, patch.after(since) if whole else patch.tally(since))
 
 
 def _unpatch(model: Any) -> None:
@@ -279,9 +278,12 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     speaks), then say what was done: one summary line, or why nothing is merged."""
     reason = host.unsupported(model)
     report = None
+    # a never-reached patch is said at its first call (Forge Neo's swap)
+    callbacks = adapters.Callbacks(on_silent=lambda: gen.voice.say(
+        host.forge_patch(model).silent))
     if reason is None:
         try:
-            report = host.patch_model(model, cfg, host.measurer(cfg))
+            report = host.patch_model(model, cfg, host.measurer(cfg), callbacks)
         except UnsupportedModelError as e:
             reason = str(e)
         except Exception as e:  # noqa: BLE001 (one console line, never a failed generation)
@@ -310,11 +312,9 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     text = report.facts.describe(report.config)  # a DiT's: what a preset resolved to on it
     if text:
         gen.voice.dit_resolved(p, name, text)
-        mark = host.forge_patch(model)
-        if getattr(mark, "limits", None):
-            gen.voice.say(f"ToMe DiT: not applied on this host: {', '.join(mark.limits)}")
-        if hasattr(mark, "on_silent"):
-            mark.on_silent = lambda: gen.voice.say(mark.SILENT)
+        patch = host.forge_patch(model)
+        if patch is not None and patch.limits:
+            gen.voice.say(f"ToMe DiT: not applied on this host: {', '.join(patch.limits)}")
     if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
         planner = report.planner
         planner.on_decided = lambda size, decisions: gen.voice.auto_choice(

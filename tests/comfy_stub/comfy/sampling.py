@@ -181,7 +181,14 @@ class DiTModel(torch.nn.Module):
         return img
 
 
-def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
+def _paste(x, out):
+    """``out`` (a crop's prediction) over zeros of ``x``'s shape, at the top left."""
+    full = torch.zeros_like(x)
+    full[..., :out.shape[-2], :out.shape[-1]] = out
+    return full
+
+
+def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, area=None, **conds):
     """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
     ComfyUI 0.8.0 makes it (``CFGGuider``): the whole sampling (``outer_sample``) run inside
     the ``outer_sample`` wrappers, called as ``fn(executor, noise, latent_image, sampler,
@@ -201,8 +208,11 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
     ``uuids`` (one per condition) and ``sigmas`` (this step's sigma per image), and
     ``model.apply_model(x, sigma, c_crossattn=context, transformer_options=..., **conds)``.
     ``cfg`` above 1: two calls per step, cond then uncond (``cond_or_uncond`` [0] and [1];
-    ``uncond`` the second context), mixed. The latent starts as ``sigmas[0] * noise`` (an
-    empty latent). Returns the final latent."""
+    ``uncond`` the second context), mixed. ``area`` (h, w in latent pixels): the cond is
+    area conditioning (ComfyUI's ConditioningSetArea): its call gets the latent's top-left
+    crop and its output is pasted back over zeros (what ComfyUI's averaging gives where one
+    cond covers part of the image), so one step has two grids. The latent starts as
+    ``sigmas[0] * noise`` (an empty latent). Returns the final latent."""
     import uuid as _uuid
     from types import SimpleNamespace
 
@@ -229,8 +239,13 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, **conds):
             call["cond_or_uncond"] = [which] * x.shape[0]
             call["uuids"] = [uuids[which]]
             call["sigmas"] = sigma
-            outs.append(model.apply_model(x, sigma, c_crossattn=ctx,
-                                          transformer_options=call, **conds))
+            crop = area is not None and which == 0
+            xin = x[..., :area[0], :area[1]] if crop else x
+            out = model.apply_model(xin, sigma, c_crossattn=ctx, transformer_options=call,
+                                    **conds)
+            if crop:
+                out = _paste(x, out)
+            outs.append(out)
         return outs
 
     def predict_noise(x, sigma, model_options, seed=None):
