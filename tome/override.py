@@ -51,7 +51,7 @@ ADAPTER = "attention override"  # ``PatchReport.adapter``
 COMFY_KERNEL = ("comfy.ldm.modules.attention", "optimized_attention")
 
 
-class KvPool:
+class KvPool(percall.Flags):
     """The override: ``pool(func, q, k, v, heads, mask=None, **kwargs)`` as ComfyUI calls it.
 
     One per patch, never copied (ComfyUI deep-copies options on every clone). ``flags``
@@ -61,7 +61,7 @@ class KvPool:
     unpooled and why (eager calls only)."""
 
     def __init__(self, skipped: list | None = None, tally: Counter | None = None) -> None:
-        self.flags: dict[str, bool] = {}
+        super().__init__()
         self.skipped: list[tuple[Any, str]] = [] if skipped is None else skipped
         self.tally = Counter() if tally is None else tally  # ``percall_calls.count``
         self.plans: dict[tuple, dit.DitPlan] = {}  # eager: one per grid and factor

@@ -158,6 +158,21 @@ def active(owner: Any, state: CallState | None, chained: Any = None) -> Iterator
         _local.active = before
 
 
+class Flags:
+    """What a model call's attention calls record on their owner (``fired``, ``pooled``):
+    a dict per thread (clones of one patch sample in worker threads at once)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        found = getattr(self._local, "flags", None)
+        if found is None:
+            found = self._local.flags = {}
+        return found
+
+
 def note(skipped: list, block: Any, why: str) -> None:
     """Record a block left unpooled and why, once per block (eager calls only)."""
     if not merge.compiling() and not any(b == block for b, _ in skipped):

@@ -153,7 +153,7 @@ def pooled(point: Point) -> Pooled:
     return _POOLED[point]
 
 
-class Swap(percall.Core):
+class Swap(percall.Core, percall.Flags):
     """The ``model_function_wrapper`` of one patched UnetPatcher clone (see the module
     docstring): the patch (``percall.Core``) and its per-call swap. ``previous``: the wrapper
     the patcher had, called around ours. Residual reuse applies, keyed by the call's
@@ -175,7 +175,7 @@ class Swap(percall.Core):
         if self.applied.proportional and not self.masks:
             self.limits.append("proportional attention (the host's attention kernel takes no "
                                "mask)")
-        self.flags: dict[str, bool] = {}  # this call's: reached, pooled (``Core.running``)
+        percall.Flags.__init__(self)  # this call's: reached, pooled (``Core.running``)
         self.block = 0  # this call's attention calls counted where the host names no block
         # this call's plans (a plan caches the call's embedding by identity: cleared per call)
         self.plans: dict[tuple, Any] = {}
