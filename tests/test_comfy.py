@@ -31,8 +31,8 @@ from stubs import fake_clock  # noqa: E402
 
 from tome import (  # noqa: E402
     dits,  # noqa: E402
+    kv,
     override,
-    percall,
 )
 from tome import modelpatcher as mp  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
@@ -512,7 +512,7 @@ def test_calls_a_family_cannot_place_are_not_pooled():
     flux = SimpleNamespace(patch_size=2)
     assert flux_spans(flux, torch.zeros(1, 16, 7, 9), torch.zeros(1, 5, 12),
                       {"ref_latents": [torch.zeros(1, 16, 4, 4)]}) == \
-        percall.Spans(5, True, 0, 1, 4, 5, 4)
+        kv.Spans(5, True, 0, 1, 4, 5, 4)
     assert flux_spans(flux, torch.zeros(1, 16, 8, 8), None, {}) is None
 
 

@@ -211,9 +211,9 @@ def test_lumina_is_read_with_its_layers_and_places_z_image_omni_calls():
 
 
 def test_spans_leave_an_image_only_call_as_long_as_the_text():
-    """``percall.Spans.start``: where a family has text, an image-only call as long as the
+    """``kv.Spans.start``: where a family has text, an image-only call as long as the
     text is not placed (Lumina's caption refiner); joint and other image-only calls are."""
-    from tome.percall import Spans
+    from tome.kv import Spans
     same = Spans(24, True, 0, 1, 6, 4, 0)
     assert same.start(48) == 24 and same.start(24) is None
     padded = Spans(8, True, 0, 1, 7, 5, 5)

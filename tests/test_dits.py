@@ -15,7 +15,7 @@ from stubs import fake_clock
 from torch import nn
 
 import tome
-from tome import attend, dits, layout
+from tome import attend, dits, kv, layout
 from tome.dits.family import text_and_time
 from tome.measurements import MeasurementCache, Measurer
 
@@ -87,7 +87,7 @@ def toy_maths(wrapper, attn, plan, hs, ehs, emb):
     n = ehs.shape[1]
     x = torch.cat([ehs, hs], 1)
     q, k, v = (heads(p(x), attn.heads) for p in (attn.to_q, attn.to_k, attn.to_v))
-    out = attend.attend(wrapper, attend.sdpa, plan, q, k, v, n, 2)
+    out = kv.attend_plan(wrapper, attend.sdpa, plan, q, k, v, n, 2)
     out = attn.to_out(out.transpose(1, 2).flatten(2))
     return out[:, n:], out[:, :n]
 

@@ -21,6 +21,7 @@ LAYERS = [
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
     ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
     ("tome.attend",),   # attention over pooled keys: the bias per kernel
+    ("tome.kv",),       # one attention step for every DiT host: pool, rotate, bias, reuse
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),

@@ -376,7 +376,7 @@ def test_measuring_works_whatever_mode_measured_before(tmp_path, monkeypatch, fi
 def test_the_override_runner_times_the_host_kernel_unpooled_and_through_kvpool(monkeypatch):
     """ComfyUI's and Forge Neo's DiT runner: the host's backend (by module and name) gets
     the whole image's keys unpooled, and keys pooled per cell with the bias as its mask
-    through ``percall.pool_call`` (as a generation runs it); every linear layer runs in both."""
+    through ``kv.pool_call`` (as a generation runs it); every linear layer runs in both."""
     import sys
     import types
 

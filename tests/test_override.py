@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tome import percall, plan
+from tome import kv, percall, plan
+from tome.kv import CallState, Spans
 from tome.override import KvPool
-from tome.percall import CallState, Spans
 
 
 def backend(seen: list | None = None, masks: bool = True):
@@ -236,7 +236,7 @@ def test_keys_before_rope_are_rotated_and_pooled_per_frame(rope):
     mean_ids = torch.cat([ids[:, :text], pool(ids[:, None])[:, 0, text:]], 1)
     expect_k = pool(rotate(k, ids)) if rope == "before" else rotate(pool(k), mean_ids)
     st = state(text=text, frames=frames, factors=(2,))
-    out = percall.pool_call(st, 2, text, q, k, v, 2, lambda *t: t, {}, rope=rope, pe=pe)
+    out = kv.pool_call(st, 2, text, q, k, v, 2, lambda *t: t, {}, rope=rope, pe=pe)
     assert out[1].shape[2] == text + frames * 2 * 3 and out[3] is None  # no bias: no mask
     torch.testing.assert_close(out[0], rotate(q, ids), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[1], expect_k, atol=1e-5, rtol=1e-4)

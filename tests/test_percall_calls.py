@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tome import percall, percall_calls
+from tome.kv import CallState, Spans
 from tome.override import KvPool
-from tome.percall import CallState, Spans
 
 
 def backend(masks: bool = True):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from webui_stub.harness import WebUI, neo, shared
 
-from tome import adapters, percall, swap
+from tome import adapters, kv, swap
 from tome.config import ToMeConfig
 from tome.dits import neo_nunchaku
 
@@ -103,7 +103,7 @@ def test_pooled_flux_call_matches_a_hand_written_reference():
         clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
             method="downsample", downsample_factor=2, rope=rope, proportional=False))
         ours = clone.model_options["model_function_wrapper"]
-        spans = percall.Spans(text, True, 0, 1, h, w)
+        spans = kv.Spans(text, True, 0, 1, h, w)
         state = ours.begin(spans, None, q.device, b)
         pooled = swap.pooled(adapters.neo_form("forge neo flux").points[0])
         pooled.original = flux.attention
@@ -287,7 +287,7 @@ def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
     clone, _ = adapters.patch_model_patcher(unet, ToMeConfig(
         method="downsample", downsample_factor=2, rope="before", proportional=True))
     ours = clone.model_options["model_function_wrapper"]
-    spans = percall.Spans(text, True, 0, 1, h, w)
+    spans = kv.Spans(text, True, 0, 1, h, w)
     state = ours.begin(spans, None, q.device, b)
     pooled = swap.pooled(adapters.neo_form("forge neo flux").points[0])
     masks = []

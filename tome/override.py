@@ -12,7 +12,7 @@ override (``KvPool``, one stable object per patch) into that call's own ``transf
 (a copy); an override already there (a SageAttention node's) is chained: called with the
 pooled tensors, never replaced. ``KvPool`` tells the call's block (``block_type``,
 ``block_index``) and layout (``skip_reshape``: ``[B, heads, S, D]``, else ``[B, S, heads *
-D]``) and gives ``percall.pool_call`` a kernel that calls the backend (or the chained override):
+D]``) and gives ``kv.pool_call`` a kernel that calls the backend (or the chained override):
 the bias as its mask where the backend adds one, else as an extra channel.
 
 ComfyUI's TorchCompileModel drops every guard on ``transformer_options``, so the call's state
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from . import dit, merge, percall
+from . import dit, kv, merge, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
+from .kv import Spans
 from .layout import Layout
 from .modelpatcher import MARK
-from .percall import Spans
 from .report import PatchReport
 
 OVERRIDE = "optimized_attention_override"  # ComfyUI's key in transformer_options
@@ -86,7 +86,7 @@ class KvPool(percall.Flags):
             calls.count(self.tally, calls.OUTSIDE)
         return _call(prev, func, args, kwargs)
 
-    def _pooled(self, state: percall.CallState, prev: Any, func: Callable, args: tuple,
+    def _pooled(self, state: kv.CallState, prev: Any, func: Callable, args: tuple,
                 kwargs: dict) -> Any:
         q, k, v = args[0], args[1], args[2]
         dim = 2 if kwargs.get("skip_reshape") else 1
@@ -122,7 +122,7 @@ class KvPool(percall.Flags):
             return _call(prev, func, (q, k, v, *args[3:]), {**kwargs, "mask": mask})
 
         masks = prev is None and getattr(func, "__name__", "") in percall.MASK_BACKENDS
-        return percall.pool_call(state, f, start, q, k, v, dim, kernel, self.plans,
+        return kv.pool_call(state, f, start, q, k, v, dim, kernel, self.plans,
                                  bias="mask" if masks else "channel",
                                  heads=args[3] if len(args) > 3 else kwargs.get("heads"),
                                  flat=not kwargs.get("skip_output_reshape"),
@@ -171,9 +171,13 @@ class OverridePatch(percall.Core):
 
     def run_start(self, *_: Any) -> None:
         """A sampling run starts (ComfyUI's ``on_pre_run``): reuse reset, steps counted anew."""
-        self.reset()
+        self.run(True)
         self.steps.clear()
         self.refreshed.clear()
+
+    def run_end(self, *_: Any) -> None:
+        """A sampling run ends (ComfyUI's ``on_cleanup``, also after an error or interrupt)."""
+        self.run(False)
 
     def step_of(self, options: dict, sigma: Any) -> int | None:
         """The sampler's step of this call (``sigma``: its sigma, read on the host): how many
@@ -259,7 +263,7 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ours.wrapper)
     if reuses:
         clone.add_callback_with_key(PRE_RUN, WRAPPER_KEY, ours.run_start)
-        clone.add_callback_with_key(CLEANUP, WRAPPER_KEY, ours.reset)
+        clone.add_callback_with_key(CLEANUP, WRAPPER_KEY, ours.run_end)
     setattr(clone, MARK, ours)
     return clone, report
 

@@ -38,15 +38,15 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import attend, dit, memory, merge, plan
 from .config import ToMeConfig, without_reuse
+from .kv import CallState, Spans
 from .layout import Layout
-from .percall_calls import channel, key_start
 from .report import PatchReport
 
 # The hosts' backends that add a float mask to the scores (broadcast over queries): ComfyUI's
@@ -54,77 +54,6 @@ from .report import PatchReport
 MASK_BACKENDS = ("attention_basic", "attention_pytorch", "attention_split",
                  "attention_sub_quad", "attention_xformers")
 MASK = "an attention mask whose keys are not the call's (pooling would misalign it)"
-
-
-class Spans(NamedTuple):
-    """Where one model call's image tokens sit (plain ints, from the latent's shape)."""
-
-    text: int          # text tokens in joint attention (0: the family has none)
-    text_first: bool   # the joint order is [text, image] (else [image, text])
-    before: int        # other tokens before the image (Wan's reference latent): unpooled
-    frames: int        # the image grid in tokens, frame-major
-    h: int
-    w: int
-    after: int = 0     # tokens after the image (Kontext / Qwen-Image edit references): unpooled
-    cross: tuple = ()  # cross-attention's key lengths (text, image prompt): never extra keys
-
-    @property
-    def image(self) -> int:
-        return self.frames * self.h * self.w
-
-    def start(self, length: int, whole: bool = False) -> int | None:
-        """Where the image starts in a self-attention call of ``length`` tokens (joint or
-        image-only), or None where the call is not one of this model call's sequences;
-        ``whole``: joint calls only where the family has text (Forge Neo's Lumina runs
-        refiner blocks over the image alone, which stay unpooled); an image-only call as long
-        as the text is not placed (ComfyUI's Lumina refines the caption alone, then the image)."""
-        core = self.before + self.image + self.after
-        if self.text and length == self.text + core:
-            return self.before + (self.text if self.text_first else 0)
-        alone = length == core and not (self.text and (whole or length == self.text))
-        return self.before if alone else None
-
-
-class CallState(NamedTuple):
-    """What one model call pools: its spans, the factor of each block (in the model's order,
-    double-stream blocks first; 0 or 1: unpooled), whether pooled keys get the bias, and
-    residual reuse (``attend.Reuse``, decided for this call on the host; None: none) with
-    each block's part (what its residuals are kept on)."""
-
-    spans: Spans
-    factors: tuple[int, ...]
-    doubles: int
-    proportional: bool
-    reuse: Any = None
-    parts: tuple = ()
-
-    def position(self, block_type: Any, index: Any) -> int | None:
-        """The block the host names (``block_type`` "double" or "single", ``block_index``)
-        in the model's order, or None (no block information, or not a block of the model)."""
-        if not isinstance(index, int):
-            return None
-        pos = index + (self.doubles if block_type == "single" else 0)
-        return pos if 0 <= pos < len(self.factors) else None
-
-    def factor(self, block_type: Any, index: Any) -> int:
-        """The factor of the block the host names; without block information, the factor
-        all blocks share (0 where they differ)."""
-        if isinstance(index, int):
-            pos = self.position(block_type, index)
-            return 0 if pos is None else self.factors[pos]
-        return self.factors[0] if len(set(self.factors)) == 1 else 0
-
-    def part(self, block_type: Any, index: Any) -> Any:
-        """The named block's part for residual reuse, or None (no reuse in this call)."""
-        pos = self.position(block_type, index) if self.reuse is not None else None
-        return None if pos is None or pos >= len(self.parts) else self.parts[pos]
-
-    def start(self, queries: int, keys: int, whole: bool = False) -> int | None:
-        """Where the image keys start in an attention call of these lengths (keys as long as
-        the queries, or longer: ``percall_calls.key_start``), or None: not a self-attention
-        over this call's sequence (cross-attention: also keys as long as ``spans.cross``)."""
-        cross = keys != queries and keys in self.spans.cross
-        return None if cross else key_start(self.spans, queries, keys, whole)
 
 
 # ----------------------------------------------------------------------------- the bracket
@@ -181,82 +110,6 @@ def note(skipped: list, block: Any, why: str) -> None:
 
 # ----------------------------------------------------------------------------- one attention call
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], Any]
-
-
-def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, dim: int, kernel: Kernel, plans: dict, *, rope: str = "before",
-              pe: Any = None, bias: str | None = "mask", heads: int | None = None,
-              flat: bool = True, part: Any = None, mask: torch.Tensor | None = None) -> Any:
-    """One pooled attention call: the image span of ``k`` and ``v`` (sequence axis ``dim``,
-    from ``start``) pooled per cell of ``state``'s grid at factor ``f``, then ``kernel(q, k,
-    v, mask)``. ``pe``: a rotation embedding the host applies inside its function: the
-    queries and keys are rotated here (keys per ``rope``), and the kernel passes none on.
-    ``bias``: the proportional bias ``"mask"`` (an additive ``[1, 1, 1, keys]`` mask),
-    ``"channel"`` (``attend.count_channel``; ``heads`` splits ``[B, S, heads * D]``, ``flat``
-    says the kernel answers in that layout) or None (left out). ``part``: the block's part
-    where this call reuses residuals (``state.reuse``): on a refresh the unpooled attention
-    runs too and ``full - pooled`` is kept, between refreshes it is added (``Reuse.around``;
-    the output's sequence axis is 1 for ``[B, S, heads * D]``, 2 for ``[B, heads, S, D]``).
-    ``mask``: the call's own attention mask (keys on its last axis: a text mask), pooled
-    along the keys as they are (``key_mask``), the bias added to it."""
-    n = k.shape[dim]
-    p = cached_plan(plans, state.spans, f, rope, state.proportional)
-    if pe is not None:
-        q = dit.rotate(q, pe)
-        kp = p.keys(k, start, dim, pe, dit.rotate, lambda e: p.rotations(e, start))
-    else:
-        kp = p.pool(k, start, dim)
-    vp = p.pool(v, start, dim)
-    b = p.bias(start, n, k.device) if bias else None
-    m = None if mask is None else key_mask(p, mask, start, q.dtype)
-    if b is None:
-        out = kernel(q, kp, vp, m)
-    elif bias == "mask":
-        b = b.to(q.dtype).view(1, 1, 1, -1)
-        out = kernel(q, kp, vp, b if m is None else m + b)
-    else:
-        out = channel(kernel, q, kp, vp, b, dim, heads, flat, m)
-    if part is None or state.reuse is None or q.shape[dim] != n:  # reuse: self-attention
-        return out
-
-    def full(rows: int | None = None) -> Any:  # the unpooled attention (keys rotated)
-        return kernel(q if rows is None else q.narrow(dim, 0, rows),
-                      k if pe is None else dit.rotate(k, pe), v, mask)
-    return state.reuse.around((part, f), out, full, 1 if out.dim() == 3 else 2,
-                              (start, start + p.tokens))
-
-
-def key_mask(p: dit.DitPlan, mask: torch.Tensor, start: int, dtype: torch.dtype
-             ) -> torch.Tensor:
-    """A call's attention mask for its pooled keys: as an additive mask (a boolean one's
-    False as ``-inf``) with ComfyUI's axes (``[Sq, Sk]``, ``[B, Sq, Sk]`` or 4-D), its image
-    span along the keys pooled like the keys: a cell's entry is the mean of its keys' (0
-    where they all attend, ``-inf`` where any is masked), the text part kept as it is."""
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, float("-inf"))
-    if mask.dim() == 2:
-        mask = mask[None, None]
-    elif mask.dim() == 3:
-        mask = mask[:, None]
-    return p.pool(mask, start, mask.dim() - 1)
-
-
-def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
-    """The plan of a call's grid at factor ``f``, kept in ``cache`` in eager mode (its pooled
-    positions and bias are built once; at most 32 kept), built in the graph while compiling
-    (a dict read would add guards)."""
-    if merge.compiling():
-        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    key = (s.frames, s.h, s.w, f, rope, proportional)
-    if key not in cache:
-        if len(cache) > 32:
-            cache.clear()
-        cache[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    return cache[key]
-
-
 # ----------------------------------------------------------------------------- one patch
 
 class Core:
@@ -297,6 +150,7 @@ class Core:
         self.planner = plan.Planner(self.applied, p, None, [p],
                                     method=dit.method_for(self.applied), window=window)
         self.reuse, self.budget = self._reuse(layout)
+        self.runs, self._runs_lock = 0, threading.Lock()  # sampling runs under way (``run``)
         self.skipped: list[tuple[Any, str]] = []
         self.calls = self.fired = self.installed = 0  # model calls / that reached our
         # attention / that ran with it installed
@@ -330,10 +184,21 @@ class Core:
         return reuse, budget
 
     def reset(self, *_: Any) -> None:
-        """Drop what residual reuse keeps (the host's run start and end: ComfyUI's
-        ``ON_PRE_RUN``/``ON_CLEANUP`` callbacks on the patched clone)."""
+        """Drop what residual reuse keeps, in every thread (a generation's end, removal)."""
         if self.reuse is not None:
             self.reuse.reset()
+
+    def run(self, starts: bool) -> None:
+        """A sampling run starts or ends in this thread (ComfyUI's ``ON_PRE_RUN`` and
+        ``ON_CLEANUP`` on the patched clone). Its own lane starts and ends with nothing
+        kept; every thread's (MultiGPU's workers, whose calls a run in the main thread
+        makes) when no other run of this patch is under way, so two samplings of clones
+        of one patch in two threads at once never drop each other's residuals."""
+        with self._runs_lock:
+            self.runs = self.runs + 1 if starts else max(0, self.runs - 1)
+            alone = self.runs == (1 if starts else 0)
+        if self.reuse is not None:
+            self.reuse.reset() if alone else self.reuse.reset_lane()
 
     def report_as(self, adapter: str) -> PatchReport:
         """The report of this patch made through ``adapter``, its ``nothing`` set where the

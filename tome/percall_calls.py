@@ -1,17 +1,7 @@
-"""The per-call core's reading of one attention call (``percall.py``): where the image keys
-start when the keys are longer than the queries, the extra-channel bias for keys with fewer
-heads than the queries (GQA), and the tally of what the attention calls of a sampling did
-(one console line after it).
-
-- Keys longer than the queries (reference keys kept from another pass and appended, a
-  segment of the sequence attending to all of it): where the keys are the model call's whole
-  sequence, its spans place the image; where the queries are, the extra keys sit on the side
-  where the family keeps its other tokens (before the image where it has some there, as
-  Wan's reference, else after it, as Kontext's and Qwen-Image's references). Only the image
-  span of the keys is pooled; the other keys, and the queries, stay whole.
-- Fewer key heads than query heads: pooling is along tokens, so it is the same; only the
-  extra channel splits the keys by their own head count.
-- Cross-attention (keys as long as the text, or any other length) stays untouched.
+"""The tally of what the attention calls of a sampling did, for the per-call core
+(``percall.py``), and its one console line after each sampling (with the steps a cache
+skipped, and where residual reuse refreshed). How one attention call is read (keys longer
+than the queries, GQA's extra channel) is ``kv.py``'s.
 
 Counting is Python ints on the host, in eager calls only: a compiled graph replays its
 attention calls without running Python, so its model calls are counted apart ("not
@@ -21,11 +11,8 @@ counted"), never guessed. Pure torch.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch
-
-from . import attend
 from .merge import compiling
 
 # What an attention call did (``Tally`` keys), in the order the line names them.
@@ -34,41 +21,6 @@ LEFT = "left"  # to a chained override that declines pooled keys (``KvPool.leave
 NAMES = {CROSS: "cross-attention or other lengths", MASKED: "masked",
          X1: "blocks at x1", OUTSIDE: "outside the window",
          LEFT: "left whole to the chained sparse attention"}
-
-
-def key_start(spans: Any, queries: int, keys: int, whole: bool = False) -> int | None:
-    """Where the image keys start in an attention call of these lengths (``spans``: the model
-    call's ``percall.Spans``), or None: not a self-attention over this call's sequence."""
-    if keys < queries:
-        return None
-    at = spans.start(keys, whole)
-    if at is not None or keys == queries:
-        return at
-    at = spans.start(queries, whole)  # the call's own tokens, extra keys on one side
-    if at is None:
-        return None
-    return at + (keys - queries) * bool(spans.before)
-
-
-def channel(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: torch.Tensor, dim: int, heads: int | None, flat: bool,
-            mask: torch.Tensor | None = None) -> Any:
-    """The bias as one extra query/key channel per head (``attend.count_channel``) for a
-    kernel that takes no mask; the kernel scales by its own (wider) head dim, which
-    ``count_channel`` corrects; the extra channels are cut from the output. In ``[B, S,
-    heads * D]`` the keys and values are split by the queries' head width (fewer key heads:
-    GQA), each key head widened alike."""
-    if dim == 1:  # [B, S, heads * D]
-        q = q.unflatten(-1, (heads, -1))
-        k, v = (t.unflatten(-1, (-1, q.shape[-1])) for t in (k, v))
-    d = q.shape[-1]
-    q, k, v = attend.count_channel(q, k, v, bias, dim, attend.channel_width(d) ** -0.5)
-    if dim == 1:
-        q, k, v = (t.flatten(-2) for t in (q, k, v))
-    out = kernel(q, k, v, mask)
-    if not flat:  # [B, heads, S, D']
-        return out[..., :d]
-    return out.unflatten(-1, (heads, -1))[..., :d].flatten(-2)
 
 
 def count(tally: Counter, what: str) -> None:

@@ -1,7 +1,7 @@
 """The per-call forms' measuring runner: how the auto policy times a DiT block where the host
 hands us attention calls (ComfyUI's override, Forge Neo's swap): the block's token-wise work
 and its self-attention through the host's own kernel, unpooled or pooled by the per-call
-core (``percall.pool_call``), as a generation runs it."""
+core (``kv.pool_call``), as a generation runs it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from . import attend, dit
-from .percall import MASK_BACKENDS, CallState, Spans, pool_call
+from .kv import CallState, Spans, pool_call
+from .percall import MASK_BACKENDS
 
 
 class _Timed:

@@ -153,6 +153,10 @@ class Reuse:
         for lane in lanes:
             lane.reset()
 
+    def reset_lane(self) -> None:
+        """Drop what this thread's lane keeps (its own run's start or end)."""
+        self.lane().reset()
+
     def set_keep(self, keep: Keep) -> None:
         """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
         refreshes at its next call; the current call too, where it reuses)."""

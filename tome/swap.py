@@ -6,7 +6,7 @@ imported (Flux's ``attention(q, k, v, pe, ...)``, Wan's ``attention``, Qwen-Imag
 Lumina's ``attention_function``), and its blocks look that name up in their module at every
 call. A family file (``tome/dits/neo_*.py``) names those globals and how each is called
 (``Point``: the sequence axis, where a pre-RoPE embedding and a mask are passed) and how a
-model call places its tokens (``Form.spans``: ``percall.Spans`` from the latent and the
+model call places its tokens (``Form.spans``: ``kv.Spans`` from the latent and the
 conditioning, plain ints).
 
 This module is the mechanism and names no family. A ``Swap`` is the ``model_function_wrapper``
@@ -19,7 +19,7 @@ other call, model or generation sees the swap. (Neo's own Radial Attention exten
 ``wan.attention`` and never restores it: the pitfall avoided here.)
 
 A ``Pooled`` callable pools a call only where its queries and keys are one sequence of the
-call (``percall.CallState.start``), counted as the next block where the host names none; a
+call (``kv.CallState.start``), counted as the next block where the host names none; a
 cross-attention, text-only or refiner call, or one with a mask, goes to the original
 untouched. It passes the original function its own call with pooled keys and values, so
 whichever kernel the host picked runs the shorter keys. Where the host rotates inside the
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import percall
+from . import kv, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .modelpatcher import MARK
@@ -64,7 +64,7 @@ class Point(NamedTuple):
 class Form(NamedTuple):
     """What a family gives this adapter (its ``POINTS`` and ``spans``, plain data in its
     file): the points, and ``spans(diffusion_model, x, c)`` (``x`` the latent the model is
-    called with, ``c`` its keyword arguments: ``c_crossattn``, ...) giving ``percall.Spans``'
+    called with, ``c`` its keyword arguments: ``c_crossattn``, ...) giving ``kv.Spans``'
     fields, or None where a call cannot be read."""
 
     points: tuple[Point, ...]
@@ -137,7 +137,7 @@ class Pooled:
                 else _with(point.mask, args, kwargs, mask)
             return original(q, k, v, *a, **kw)
 
-        return percall.pool_call(state, f, start, q, k, v, point.dim, kernel, swap.plans,
+        return kv.pool_call(state, f, start, q, k, v, point.dim, kernel, swap.plans,
                                  rope=swap.applied.rope, pe=pe,
                                  bias="mask" if swap.masks else None,
                                  part=state.part(kind, index), mask=mask)
@@ -192,7 +192,7 @@ class Swap(percall.Core, percall.Flags):
         """One model call with our functions in place of the points' globals (where it pools
         at this step), put back in ``finally`` whatever happens; ``who``: its identity."""
         found = self.form.spans(self.model, x, c)
-        spans = None if found is None else percall.Spans(*found)
+        spans = None if found is None else kv.Spans(*found)
         state = None if spans is None else self.begin(spans, t, x.device, x.shape[0], who, x)
         saved: list[tuple[Any, str, Any]] = []
         before = self.block

@@ -18,7 +18,7 @@ Adding a DiT family:
      forward call gives the latent size, text length and timestep; ``latent_call`` for a
      model called with the latent itself), ``maths`` (per processor class the library's
      attention with ``plan.pool`` / ``plan.keys`` before the kernel, through
-     ``attend.attend``), ``inputs`` (one block's call for measuring), and where needed
+     ``kv.attend_plan``), ``inputs`` (one block's call for measuring), and where needed
      ``attentions``, ``check`` (a library version the maths do not match), ``shadow``
      (a model without processors: A1111's MMDiT) and ``attention``;
    - for a host's own patch point (ComfyUI's attention override, Forge Neo's attention

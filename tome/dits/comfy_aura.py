@@ -32,7 +32,7 @@ def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``): the
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``): the
     registers and the text first, then the padded latent's tokens."""
     if x.dim() != 4 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None

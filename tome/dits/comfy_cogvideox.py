@@ -21,7 +21,7 @@ def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the text's length first, then the video's tokens."""
     if x.dim() != 5 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None

@@ -28,7 +28,7 @@ def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the video's tokens alone (the latent padded up to whole
     patches). A video as long as the text (cross-attention could not be told apart) is not
     placed; the text's length is the cross-attention's (``cross``; Anima's adapter pads its

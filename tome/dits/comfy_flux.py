@@ -39,7 +39,7 @@ def recognise(module: nn.Module) -> bool:
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
     """Where a ComfyUI ``apply_model`` call's tokens sit in joint attention (Flux, Kontext,
-    Qwen-Image): ``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``), or
+    Qwen-Image): ``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``), or
     None. The latent is ``[B, C, H, W]`` (Flux) or ``[B, C, T, H, W]`` (Qwen-Image), packed
     ``patch x patch`` (padded up); the text is the conditioning's length; each reference
     latent (``ref_latents``: Kontext, Qwen-Image edit) follows the image, unpooled."""

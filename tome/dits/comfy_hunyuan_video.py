@@ -53,7 +53,7 @@ def _tokens(t: torch.Tensor, patch: list[int]) -> tuple[int, int, int]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a model
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a model
     call, or None. A video as long as the conditioning cannot be told from the token
     refiner's text-only attention by its length: None (not pooled)."""
     patch = [int(p) for p in model.patch_size]

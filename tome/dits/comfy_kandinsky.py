@@ -23,7 +23,7 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the visual tokens alone (the latent padded up to whole
     patches). Visual tokens as many as the text's (its self-attention and the
     cross-attention could not be told apart) are not placed; the text's length is the

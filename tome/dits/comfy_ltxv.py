@@ -31,7 +31,7 @@ def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the latent's ``F x H x W`` tokens, the guide frames'
     tokens (``keyframe_idxs``) last and unpooled. A call whose guide tokens are not whole
     frames, or whose video is as long as the text (cross-attention could not be told

@@ -27,7 +27,7 @@ def _padded(n: int, multiple: Any) -> int:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: the caption (padded) first, the image's ``ceil(H/p) x
     ceil(W/p)`` tokens, its padding after (unpooled). The refiners' calls are placed by
     their lengths: the image alone is pooled like a joint call's image, the caption alone

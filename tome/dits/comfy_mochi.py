@@ -25,7 +25,7 @@ def read(model: nn.Module) -> tuple[UnnamedDit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``), or None."""
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``), or None."""
     if x.dim() != 5 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None
     p = int(model.patch_size)

@@ -36,7 +36,7 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``): the context
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``): the context
     and the registers before it, then the padded latent's tokens; None without a context."""
     if x.dim() != 4 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None

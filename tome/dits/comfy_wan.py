@@ -27,7 +27,7 @@ def read(model: nn.Module) -> tuple[Dit, Any, Any]:
 
 
 def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple | None:
-    """``(text, text_first, before, frames, h, w, after)`` (``percall.Spans``) of a ComfyUI
+    """``(text, text_first, before, frames, h, w, after)`` (``kv.Spans``) of a ComfyUI
     ``apply_model`` call, or None: no text in the self-attention; a reference latent's tokens
     first where the model has ``ref_conv`` (unpooled); with a ``denoise_mask`` (Wan 2.2's
     image to video: the first frame is the given image, at timestep 0) the first frame kept

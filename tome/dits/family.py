@@ -165,7 +165,7 @@ class HostPoint:
     (``swap.py``): no hook, so the family names the module globals its blocks call attention
     by (``points``: ``(module, global, sequence axis, pre-RoPE embedding (position, keyword),
     mask (position, keyword))``, positions counting the arguments after q, k, v) and
-    ``spans(model, x, c)``. Either ``spans`` gives ``percall.Spans``' fields, ``(text,
+    ``spans(model, x, c)``. Either ``spans`` gives ``kv.Spans``' fields, ``(text,
     text_first, before, frames, h, w, after)``, or None: that call is not pooled."""
 
     host: str                                    # COMFYUI or FORGE_NEO

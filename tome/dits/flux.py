@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import attend
+from .. import attend, kv
 from ..dit import DitPlan
 from .family import Call, Dit, Family, arg, by_class, grid_of, text_and_time, text_length
 
@@ -78,7 +78,7 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
         start = ehs.shape[1]
     if start + plan.h * plan.w > k.shape[1]:  # not the sequence the plan was made for
         return NotImplemented
-    out = attend.attend(wrapper, attend.dispatch(wrapper.original), plan, q, k, v, start, 1,
+    out = kv.attend_plan(wrapper, attend.dispatch(wrapper.original), plan, q, k, v, start, 1,
                         emb, lambda x, e: apply_rotary_emb(x, e, sequence_dim=1))
     out = out.flatten(2, 3).to(q.dtype)
     if ehs is None:

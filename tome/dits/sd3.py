@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import attend
+from .. import attend, kv
 from ..dit import DitPlan
 from .family import Dit, Family, by_class, latent_call, text_and_time
 
@@ -43,7 +43,7 @@ def joint(attn: nn.Module, plan: DitPlan, hs: torch.Tensor, ehs: torch.Tensor | 
         if attn.norm_added_k is not None:
             ek = attn.norm_added_k(ek)
         q, k, v = torch.cat([q, eq], 2), torch.cat([k, ek], 2), torch.cat([v, ev], 2)
-    out = attend.attend(wrapper, attend.sdpa, plan, q, k, v, 0, 2)
+    out = kv.attend_plan(wrapper, attend.sdpa, plan, q, k, v, 0, 2)
     out = out.transpose(1, 2).reshape(b, -1, attn.heads * hd).to(q.dtype)
     ehs_out = None
     if ehs is not None:

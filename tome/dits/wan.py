@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import attend
+from .. import attend, kv
 from ..dit import DitPlan
 from .family import Call, Dit, Family, arg
 
@@ -104,7 +104,7 @@ def maths(wrapper: Any, attn: nn.Module, plan: DitPlan, hs: torch.Tensor,
     start = wrapper.source.text
     if start + plan.tokens != k.shape[1]:  # not the sequence the plan was made for
         return NotImplemented
-    out = attend.attend(wrapper, attend.dispatch(wrapper.original), plan, q, k, v, start, 1,
+    out = kv.attend_plan(wrapper, attend.dispatch(wrapper.original), plan, q, k, v, start, 1,
                         emb, rotate if emb is not None else None,
                         lambda e: plan.cos_sin(e, start, 1))
     out = out.flatten(2, 3).type_as(q)
