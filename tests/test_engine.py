@@ -179,3 +179,4 @@ def test_the_patch_handle_is_what_a_host_holds(monkeypatch):
     line = patch.after(since)
     assert line.startswith("ToMe: pooled ") and "attention calls" in line
     assert patch.held_bytes() == 0  # freed at the run's end (ComfyUI's on_cleanup)
+

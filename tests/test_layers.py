@@ -15,20 +15,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
 
 # Bottom to top. A module may import from its own layer and the ones below.
 LAYERS = [
-    ("tome.requirements", "tome.console"),
+    ("tome.requirements", "tome.console", "tome.brackets"),
     ("tome.merge",),
     ("tome.methods",),
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
     ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
     ("tome.attend",),   # attention over pooled keys: the bias per kernel
     ("tome.kv",),       # one attention step for every DiT host: pool, rotate, bias, reuse
+    ("tome.percall_calls",),  # what a patch's model and attention calls did: counts, tally
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory"),
     ("tome.timing_results",),  # what measure found: pure data, kept by measurements
     ("tome.plan",),
     ("tome.report",),
-    ("tome.percall_calls",),  # the per-call core's reading of one call: key spans, GQA, tally
     ("tome.handle",),   # the patch handle: what a host drives a ModelPatcher patch by
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
     ("tome.modelpatcher", "tome.percall"),

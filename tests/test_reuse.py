@@ -140,6 +140,31 @@ def _pipeline(m):
     return pipe, generate
 
 
+def test_a_diffusers_pipeline_says_after_each_generation_what_its_calls_did(model, capsys):
+    """The line the per-call hosts print after each sampling, once per pipeline generation
+    (the pipeline's bracket): every attention call pooled (the tiny DiT's 1 + 1 blocks at
+    each of 6 steps); an interrupted generation says nothing."""
+    m = copy.deepcopy(model)
+    pipe, generate = _pipeline(m)
+    tome.apply_patch(pipe, method="downsample", policy="fixed")
+    try:
+        capsys.readouterr()
+        generate(6)
+        blocks = len(m.transformer.transformer_blocks) + len(
+            m.transformer.single_transformer_blocks)
+        assert capsys.readouterr().out.splitlines() == [
+            f"ToMe: pooled {6 * blocks} of {6 * blocks} attention calls"]
+
+        def interrupt(p, i, t, kw):
+            if i == 2:
+                p._interrupt = True
+            return {}
+        generate(callback=interrupt)
+        assert capsys.readouterr().out == ""
+    finally:
+        tome.remove_patch(pipe)
+
+
 def test_a_diffusers_pipeline_frees_reuse_at_the_end_on_interrupt_and_error(model):
     """The library's normal use: ``apply_patch(pipe)`` once, then generations. What reuse
     keeps lives only inside a generation: freed when it ends, when it is interrupted (the

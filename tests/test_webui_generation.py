@@ -298,6 +298,18 @@ def test_sd3_pools_image_keys_with_downsample_and_says_so(capsys):
     assert torch.equal(again.images[0], ref.images[0])  # removal: bit-identical
 
 
+def test_sd3_says_after_each_pass_how_many_attention_calls_it_pooled(capsys):
+    """A1111's SD3 (processors and shadows) counts its calls as the per-call hosts do: after
+    the pass, the line ComfyUI's node and Forge Neo print (every block's joint attention
+    pooled at every step: 2 blocks x the stand-in sampler's calls)."""
+    webui = WebUI(_a1111_sd3())
+    webui.generate(tome=on(method="downsample", policy="fixed"), seed=3)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "attention calls" in x]
+    assert len(lines) == 1 and lines[0].startswith("ToMe: first pass pooled "), lines
+    n = int(lines[0].split()[4])
+    assert n > 0 and lines[0] == f"ToMe: first pass pooled {n} of {n} attention calls"
+
+
 def test_sd3_with_merge_is_skipped_with_the_reason(capsys):
     webui = WebUI(_a1111_sd3())
     res = webui.generate(tome=on(ratio=0.5))

@@ -177,7 +177,8 @@ def handle(model: Any) -> PatchHandle | None:
     if model is None or mark is not None:
         return None
     state = patch.state_of(model)
-    return None if state is None else PatchHandle(state, getattr(state, "report", None), False)
+    return None if state is None else PatchHandle(state, getattr(state, "report", None),
+                                                  hasattr(state, "tallies"))
 
 
 NOT_TIMED = patcher.NOT_TIMED  # why a host's DiT blocks are not timed (Measure now's line)

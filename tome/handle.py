@@ -36,9 +36,9 @@ class Callbacks(NamedTuple):
 
 class PatchHandle:
     """One patch (``mark``: the adapter's object on a ModelPatcher clone, or its state on a
-    plain module's root) with its report. ``per_call``: a DiT pooled per attention call
-    (ComfyUI's override, Forge Neo's swap), which counts its model and attention calls; else
-    a UNet's attn1 patch, which counts its calls (or a plain module's patch)."""
+    plain module's root) with its report. ``per_call``: a DiT's patch, which counts its model
+    and attention calls (ComfyUI's override, Forge Neo's swap, the processors on plain
+    modules); else a UNet's (the attn1 patch counts its calls)."""
 
     def __init__(self, mark: Any, report: PatchReport | None, per_call: bool):
         self._mark, self.report, self.per_call = mark, report, per_call

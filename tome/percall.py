@@ -35,7 +35,6 @@ Pure torch: nothing here imports a host.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,6 +46,7 @@ from . import attend, dit, memory, merge, plan
 from .config import ToMeConfig, without_reuse
 from .kv import CallState, Spans
 from .layout import Layout
+from .percall_calls import Counts
 from .report import PatchReport
 
 # The hosts' backends that add a float mask to the scores (broadcast over queries): ComfyUI's
@@ -112,7 +112,7 @@ def note(skipped: list, block: Any, why: str) -> None:
 
 # ----------------------------------------------------------------------------- one patch
 
-class Core:
+class Core(Counts):
     """One patched model: the settings as the per-call forms apply them, the planner (step
     window, policy), each block's factor, the counts of what its model calls did.
 
@@ -123,8 +123,6 @@ class Core:
     kept per block part, call identity and factor (``attend.Reuse``) under the memory budget
     (``memory.ReuseBudget``); without ``reuses`` a preset becomes its point without reuse.
     What is left out is named in ``limits``."""
-
-    NEVER_CALLED = "the pooling attention was installed but never called"
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
                  percent_to_sigma: Callable[[float], float] | None = None,
@@ -151,15 +149,7 @@ class Core:
                                     method=dit.method_for(self.applied), window=window)
         self.reuse, self.budget = self._reuse(layout)
         self.runs, self._runs_lock = 0, threading.Lock()  # sampling runs under way (``run``)
-        self.skipped: list[tuple[Any, str]] = []
-        self.calls = self.fired = self.installed = 0  # model calls / that reached our
-        # attention / that ran with it installed
-        self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
-        # the settings at their step / that pooled at least one attention call (``counts``)
-        self.tally: Counter = Counter()  # attention calls by outcome (``percall_calls``)
-        self.refreshed: set[int] = set()  # steps whose calls refreshed reuse (host clears it)
-        self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
-        self.on_silent: Callable[[], Any] | None = None  # told once: installed, never reached
+        Counts.__init__(self, layout.family)
         self.report: Any = None
 
     def __deepcopy__(self, memo: dict) -> Core:
@@ -267,54 +257,13 @@ class Core:
             with active(owner, state, chained):
                 yield
         finally:
-            self.calls += 1
-            self.installed += installed
-            self.placed += spans is not None
-            self.active += state is not None
-            self.pooled += bool(owner.flags.get("pooled"))
+            pooled = bool(owner.flags.get("pooled"))
             if state is not None and state.reuse is not None:
-                if not owner.flags.get("pooled"):
+                if not pooled:
                     state.reuse.missed()  # a cache answered it inside the model: refresh next
                 elif state.reuse.refresh:
                     self.refreshed.add(state.reuse.step)
-            if owner.flags.get("fired"):
-                self.fired += 1
-                self.compiled += self.tally.total() == seen  # replayed by a compiled graph
-            elif installed:
-                self.silent += 1
-                if not self.fired and self.installed == 1 and self.on_silent is not None:
-                    self.on_silent()
-
-    def counts(self) -> tuple[int, int, int, int, int]:
-        """The model calls so far: run, reaching our attention, placed by the family
-        (``spans_of``), pooling at their step by the settings, that pooled."""
-        return self.calls, self.fired, self.placed, self.active, self.pooled
-
-    def tallies(self) -> tuple:
-        """What ``percall_calls.line`` reads: attention calls by outcome, model calls replayed
-        by a compiled graph, run without it installed, with it installed but not reaching it."""
-        return Counter(self.tally), self.compiled, self.calls - self.installed, self.silent
-
-    def not_pooled(self, since: tuple[int, ...] = (0, 0, 0, 0, 0)) -> str | None:
-        """One line where no model call since ``since`` (``counts()`` then) pooled anything,
-        saying why (what happened, not what was installed); None where one did."""
-        calls, fired, placed, active, pooled = (a - b for a, b in zip(self.counts(), since))
-        if pooled:
-            return None
-        if not calls:
-            why = "no model call went through its apply_model wrapper"
-        elif not fired:
-            why = self.NEVER_CALLED
-        elif not placed:
-            why = (f"{self.layout.family} cannot place this model's tokens (its latent or text "
-                   "is not laid out as that family's are)")
-        elif not active:
-            why = "no step was pooled by the settings (the step window or the auto policy)"
-        elif self.skipped:
-            why = "its attention calls carry a mask (pooling would misalign it)"
-        else:
-            why = "no attention call had the lengths of this model's text and image tokens"
-        return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
+            self.count_call(owner.flags, seen, spans is not None, state is not None, installed)
 
 
 def _width(block: nn.Module) -> int:

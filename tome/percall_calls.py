@@ -11,7 +11,7 @@ counted"), never guessed. Pure torch.
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .merge import compiling
 
@@ -21,6 +21,90 @@ LEFT = "left"  # to a chained override that declines pooled keys (``KvPool.leave
 NAMES = {CROSS: "cross-attention or other lengths", MASKED: "masked",
          X1: "blocks at x1", OUTSIDE: "outside the window",
          LEFT: "left whole to the chained sparse attention"}
+
+
+class Counts:
+    """What a patch's model calls and their attention calls did, counted on the host (Python
+    ints, eager calls only): the per-call core's (``percall.Core``) and the processors'
+    (``processors.py``), read after each sampling or pass (``not_pooled``, ``line``)."""
+
+    NEVER_CALLED = "the pooling attention was installed but never called"
+    NO_CALLS = "no model call went through its apply_model wrapper"
+
+    def __init__(self, family: str):
+        self.family = family
+        self.skipped: list[tuple[Any, str]] = []
+        self.calls = self.fired = self.installed = 0  # model calls / that reached our
+        # attention / that ran with it installed
+        self.placed = self.active = self.pooled = 0  # ... placed by the family / pooling by
+        # the settings at their step / that pooled at least one attention call (``counts``)
+        self.tally: Counter = Counter()  # attention calls by outcome (``count``)
+        self.refreshed: set[int] = set()  # steps whose calls refreshed reuse (host clears it)
+        self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
+        self.on_silent: Any = None  # told once: installed, never reached
+
+    def count_call(self, flags: dict, seen: int, placed: bool, active: bool,
+                   installed: bool = True) -> None:
+        """One model call ended: ``flags`` its attention calls' (``fired``, ``pooled``),
+        ``seen`` the tally's total when it began; ``on_silent`` told where the first call
+        that ran with our attention ``installed`` never reached it."""
+        self.calls += 1
+        self.installed += installed
+        self.placed += placed
+        self.active += active
+        self.pooled += bool(flags.get("pooled"))
+        if flags.get("fired"):
+            self.fired += 1
+            self.compiled += self.tally.total() == seen  # replayed by a compiled graph
+        elif installed:
+            self.silent += 1
+            if not self.fired and self.installed == 1 and self.on_silent is not None:
+                self.on_silent()
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """The model calls so far: run, reaching our attention, placed by the family,
+        pooling at their step by the settings, that pooled."""
+        return self.calls, self.fired, self.placed, self.active, self.pooled
+
+    def tallies(self) -> tuple:
+        """What ``line`` reads: attention calls by outcome, model calls replayed by a
+        compiled graph, run without it installed, with it installed but not reaching it."""
+        return Counter(self.tally), self.compiled, self.calls - self.installed, self.silent
+
+    def not_pooled(self, since: tuple[int, ...] = (0, 0, 0, 0, 0)) -> str | None:
+        """One line where no model call since ``since`` (``counts()`` then) pooled anything,
+        saying why (what happened, not what was installed); None where one did."""
+        calls, fired, placed, active, pooled = (a - b for a, b in zip(self.counts(), since))
+        if pooled:
+            return None
+        if not calls:
+            why = self.NO_CALLS
+        elif not fired:
+            why = self.NEVER_CALLED
+        elif not placed:
+            why = (f"{self.family} cannot place this model's tokens (its latent or text "
+                   "is not laid out as that family's are)")
+        elif not active:
+            why = "no step was pooled by the settings (the step window or the auto policy)"
+        elif self.skipped:
+            why = "its attention calls carry a mask (pooling would misalign it)"
+        else:
+            why = "no attention call had the lengths of this model's text and image tokens"
+        return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
+
+
+def record(source: Any, outcome: str | None) -> None:
+    """One attention call reached a processors patch (``source``: its state; measuring's
+    fixed sources count nothing): ``fired``, ``pooled`` where ``outcome`` is, and the
+    outcome tallied (None: not an attention call of its own, e.g. SD3's context half)."""
+    flags = getattr(source, "flags", None)
+    if flags is None:
+        return
+    flags["fired"] = True
+    if outcome == POOLED:
+        flags["pooled"] = True
+    if outcome is not None:
+        count(source.tally, outcome)
 
 
 def count(tally: Counter, what: str) -> None:

@@ -20,25 +20,30 @@ pools, the schedule which factor each block gets. Nothing here names a family.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import attend as _attend
-from . import dit, dits, memory, policy
+from . import brackets, console, dit, dits, memory, merge, percall, percall_calls, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Block, Layout
 from .report import PROCESSORS, STATE_ATTR, PatchReport
 
 
-class _State:
-    """One patched DiT: the planner, the current call's plan, progress and text length, and
-    the kept residuals of ``reuse``."""
+class _State(percall_calls.Counts, percall.Flags):
+    """One patched DiT: the planner, the current call's plan, progress and text length, the
+    kept residuals of ``reuse``, and the counts of what its calls did (``Counts``: the same
+    after-sampling line the per-call hosts print)."""
+
+    NO_CALLS = "no transformer call ran"
+    NEVER_CALLED = "the pooling processors were installed but never called"
 
     def __init__(self, config: ToMeConfig, report: PatchReport, layout: Layout):
+        percall_calls.Counts.__init__(self, layout.family)
+        percall.Flags.__init__(self)
         self.config, self.report, self.layout = config, report, layout
         self.family = dits.of(layout)
         self.planner: _plan.Planner = report.planner
@@ -100,10 +105,17 @@ class _Hooks:
         if st.removed or st.family.call is None:  # removed while torch held this call's hooks
             return
         st.push()  # no plan until this call's is known (a call that raised left its own)
+        counted = not merge.compiling()  # a compiled model's calls are not counted
+        if counted:
+            st.flags.clear()
+            st.flags["call"] = True
+            self.seen, self.placed = st.tally.total(), False
         d = st.layout.dit
         got = st.family.call(d, args, kwargs, st.memo)
         if got is None:
             return
+        if counted:
+            self.placed = True
         x, size, st.text, t = got
         c = st.planner.config  # its window is the schedule's
         read = st.schedule.varies() or st.reuse.every > 0
@@ -124,8 +136,12 @@ class _Hooks:
         st.push()
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        self.state.plan = None
-        self.state.push()
+        st = self.state
+        active = st.plan is not None
+        st.plan = None
+        st.push()
+        if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
+            st.count_call(st.flags, self.seen, self.placed, active)
 
 
 # ----------------------------------------------------------------------------- processors
@@ -174,7 +190,12 @@ class PoolingProcessor:
             if not extra or self._extra:
                 out = self.maths(self, attn, plan, hidden_states, ehs, emb, **extra)
                 if out is not NotImplemented:
+                    percall_calls.record(self.source, percall_calls.POOLED)
                     return out
+            percall_calls.record(self.source, percall_calls.CROSS)
+        else:
+            percall_calls.record(self.source, percall_calls.OUTSIDE if plan is None
+                                 else percall_calls.X1)
         return self.original(attn, hidden_states, *args, **kwargs)
 
 
@@ -300,6 +321,9 @@ def runner(layout: Layout, reuse: int = 0):
             return block(*args, **kwargs)
         finally:
             _unwrap(wrapped)
+    # a video family's inputs build the video grid's positions: its grids are timed as the
+    # generation pools them, per frame (``Measurer.get``), as the per-call hosts' runner
+    run_block.video = getattr(layout.dit, "frame_patch", None) is not None
     return run_block
 
 
@@ -353,8 +377,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
             if isinstance(ours, PoolingProcessor):
                 ours.pushed = True
                 state.parts.append(ours)
-        if config.reuse:
-            state.wrapped += _bracket(model)
+        state.wrapped += brackets.shadow(model, _generation)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)
@@ -363,64 +386,36 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     return report
 
 
-class Bracket:
-    """A diffusers pipeline's ``progress_bar``, shadowed on the pipeline instance: every
-    pipeline opens it around its denoising loop (``with self.progress_bar(total=...)``), so
-    entering it is the generation's start and leaving it its end, also on an error or an
-    interrupt (``KeyboardInterrupt``, the pipeline's ``interrupt`` flag). Both drop what the
-    pipeline's patched transformers' residual reuse keeps (``Reuse.reset``). A bare
-    transformer has no such bracket: there a new grid or progress going back starts anew."""
-
-    def __init__(self, original: Any, pipe: Any):
-        self.original, self.pipe = original, weakref.ref(pipe)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _Run(self.original(*args, **kwargs), self.reset)
-
-    def reset(self) -> None:
-        pipe = self.pipe()
-        for name in ("transformer", "transformer_2"):
-            module = getattr(pipe, name, None)
-            module = getattr(module, "_orig_mod", module)  # compiled after patching
-            state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
-            if isinstance(state, _State):
-                state.reset()
+def _states(pipe: Any) -> list[_State]:
+    """The patch states of a pipeline's transformers (the second: Wan 2.2 A14B's expert),
+    found under a compiled module too."""
+    found = []
+    for name in ("transformer", "transformer_2"):
+        module = getattr(pipe, name, None)
+        module = getattr(module, "_orig_mod", module)  # compiled after patching
+        state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
+        if isinstance(state, _State):
+            found.append(state)
+    return found
 
 
-class _Run:
-    """One opened progress bar: ``reset`` on entering and, whatever happened, on leaving."""
+def _generation(pipe: Any) -> Any:
+    """What a pipeline's generation bracket does (``brackets.Bracket``): at its start, what
+    residual reuse kept is dropped and the counts are noted; at its end (also on an error or
+    an interrupt) dropped again, and one line per patched transformer says what its calls
+    did (the per-call hosts' after-sampling line), unless the generation was interrupted."""
+    states = _states(pipe)
+    since = [(st, st.counts(), st.tallies()) for st in states]
+    for st in states:
+        st.reset()
 
-    def __init__(self, bar: Any, reset: Any):
-        self._bar, self._reset = bar, reset
-
-    def __enter__(self) -> Any:
-        self._reset()
-        return self._bar.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self._bar.__exit__(*exc)
-        finally:
-            self._reset()
-
-    def __iter__(self) -> Any:
-        return iter(self._bar)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._bar, name)
-
-
-def _bracket(model: Any) -> list[tuple[Any, str, Any, Any]]:
-    """Shadow a diffusers pipeline's ``progress_bar`` with a ``Bracket`` (the first
-    transformer's patch carries it); nothing for a bare module."""
-    original = getattr(model, "progress_bar", None)
-    if isinstance(model, nn.Module) or not callable(original) \
-            or isinstance(original, Bracket):
-        return []
-    ours = Bracket(original, model)
-    before = vars(model).get("progress_bar")
-    model.progress_bar = ours
-    return [(model, "progress_bar", before, ours)]
+    def end(failed: bool) -> None:
+        for st, counts, tallies in since:
+            st.reset()
+            if not failed and not st.removed and st.calls > counts[0]:  # compiled: uncounted
+                say = st.budget.say if st.budget is not None else console.line
+                say(st.not_pooled(counts) or percall_calls.line(st.tallies(), tallies))
+    return end
 
 
 def _remove(state: _State) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import percall_calls
 from ..attend import channel_width, count_channel
 from .family import Dit, Family, by_class, latent_call, text_and_time
 
@@ -61,7 +62,9 @@ class PreAttention:
         q, k, v = self.original(x)
         plan = self.source.plan_for(self.index, self.kind)
         if plan is None:
+            percall_calls.record(self.source, percall_calls.OUTSIDE if self.image else None)
             return q, k, v
+        percall_calls.record(self.source, percall_calls.POOLED if self.image else None)
         if self.source.reuse.every:
             self.shared["image" if self.image else "text"] = (q, k, v)
         n = k.shape[1]

@@ -199,10 +199,15 @@ def patch_model(model: Any, cfg: ToMeConfig, service: Measurer | None,
     return report
 
 
-def forge_patch(model: Any) -> adapters.PatchHandle | None:
-    """The Forge family: the handle of our patch on the pass's UNet patcher (a DiT's names
-    ``limits``, what this host cannot apply), or None."""
-    return adapters.handle(getattr(getattr(model, "forge_objects", None), "unet", None))
+def patch_of(model: Any) -> adapters.PatchHandle | None:
+    """The handle of our patch on the current model (the Forge family: on the pass's UNet
+    patcher; a DiT's names ``limits``, what this host cannot apply), or None."""
+    if forge(model):
+        return adapters.handle(getattr(model.forge_objects, "unet", None))
+    try:
+        return adapters.handle(model)
+    except Exception:  # noqa: BLE001 (a model the library cannot read carries no patch)
+        return None
 
 
 def measurable(model: Any) -> tuple[Any, Any]:

@@ -246,8 +246,8 @@ def _skips(p: Any, gen: Generation) -> None:
 
 
 def _track(gen: Generation, name: str, patch: Any) -> None:
-    """A pass patched through the per-call core (Forge Neo's swap), which counts its
-    attention calls: the pass before it has ended, so its line is told now."""
+    """A pass of a DiT patch, which counts its attention calls (Forge Neo's swap, A1111's
+    SD3 processors): the pass before it has ended, so its line is told now."""
     if patch is None or not patch.per_call or any(m == patch for _, m, _ in gen.tallied):
         return
     _tally(gen)
@@ -280,7 +280,7 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     report = None
     # a never-reached patch is said at its first call (Forge Neo's swap)
     callbacks = adapters.Callbacks(on_silent=lambda: gen.voice.say(
-        host.forge_patch(model).silent))
+        host.patch_of(model).silent))
     if reason is None:
         try:
             report = host.patch_model(model, cfg, host.measurer(cfg), callbacks)
@@ -301,7 +301,7 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     if not report.planner.window.full:
         gen.windows[name] = report.planner.window
     _skips(p, gen)
-    _track(gen, name, host.forge_patch(model))
+    _track(gen, name, host.patch_of(model))
     seeded = methods.get(cfg.method).seeded(cfg)
     kind = host.model_kind(model) if kind is None else kind  # SD.Next: the pipeline's flags
     gen.voice.summary(narrate.head(kind, report), gen.passes, report.coverage(),
@@ -312,7 +312,7 @@ def _patch(p: Any, model: Any, gen: Generation, cfg: ToMeConfig, name: str, x: A
     text = report.facts.describe(report.config)  # a DiT's: what a preset resolved to on it
     if text:
         gen.voice.dit_resolved(p, name, text)
-        patch = host.forge_patch(model)
+        patch = host.patch_of(model)
         if patch is not None and patch.limits:
             gen.voice.say(f"ToMe DiT: not applied on this host: {', '.join(patch.limits)}")
     if cfg.policy == "auto":  # the planner tells its decisions as soon as it knows them
