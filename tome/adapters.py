@@ -182,6 +182,8 @@ def handle(model: Any) -> PatchHandle | None:
 
 
 NOT_TIMED = patcher.NOT_TIMED  # why a host's DiT blocks are not timed (Measure now's line)
+# ComfyUI's wrapper and callback kinds as the loaded ComfyUI names them (the host layer's too)
+comfy_name, comfy_names_missing = modelpatcher.comfy_name, modelpatcher.comfy_names_missing
 
 
 def carried(unet_patcher: Any) -> tuple[bool, bool]:

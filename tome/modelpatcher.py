@@ -7,11 +7,14 @@ window in its sigmas, and the attn1 patch lists (ours, tomesd's, replacements).
 The contract is the one the Forge family (Forge, Forge Neo, reForge, Forge Classic) and
 ComfyUI share: a ``ModelPatcher`` (Forge: ``UnetPatcher``) whose ``clone()`` shares the
 modules; patches live in ``model_options["transformer_options"]`` (ComfyUI, Forge Neo) or in
-``patches`` (the Forge stand-in). Nothing here imports a host.
+``patches`` (the Forge stand-in). Nothing here imports a host: ComfyUI's names for wrapper and
+callback kinds (``WrappersMP``, ``CallbacksMP``) are read from its ``comfy.patcher_extension``
+where the host has loaded it (``comfy_name``), 0.8.0's strings where it has not.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +24,36 @@ from .plan import Window, discrete_percent_to_sigma
 MARK = "_tome_sd_forge"  # set on a patcher clone that carries our patches (name kept: older
 # clones in a running host still carry it)
 ATTN1_LISTS = ("attn1_patch", "attn1_output_patch")
+
+
+# ComfyUI's wrapper and callback kinds the pack registers under: (class, attribute) -> the
+# string ComfyUI 0.8.0 and v0.30.0 use (what ``comfy_name`` answers without ComfyUI loaded).
+COMFY_NAMES = {("WrappersMP", "APPLY_MODEL"): "apply_model",
+               ("WrappersMP", "DIFFUSION_MODEL"): "diffusion_model",
+               ("WrappersMP", "OUTER_SAMPLE"): "outer_sample",
+               ("CallbacksMP", "ON_PRE_RUN"): "on_pre_run",
+               ("CallbacksMP", "ON_CLEANUP"): "on_cleanup"}
+PATCHER_EXTENSION = "comfy.patcher_extension"
+
+
+def comfy_name(kind: str, attr: str) -> str:
+    """ComfyUI's ``WrappersMP.APPLY_MODEL`` (``kind``, ``attr``) and the like, read at use
+    from the host's ``comfy.patcher_extension`` where ComfyUI has loaded it (never imported
+    here: the library imports no host), so a renamed value cannot leave our wrappers under a
+    key ComfyUI no longer calls; 0.8.0's string (``COMFY_NAMES``) where ComfyUI is not loaded
+    or lacks the name (``comfy_names_missing`` says which)."""
+    found = getattr(getattr(sys.modules.get(PATCHER_EXTENSION), kind, None), attr, None)
+    return found if isinstance(found, str) else COMFY_NAMES[(kind, attr)]
+
+
+def comfy_names_missing() -> list[str]:
+    """``WrappersMP.APPLY_MODEL``-style names the loaded ComfyUI lacks (empty where ComfyUI is
+    not loaded): registered under 0.8.0's string, which that ComfyUI may never call."""
+    module = sys.modules.get(PATCHER_EXTENSION)
+    if module is None:
+        return []
+    return [f"{kind}.{attr}" for kind, attr in COMFY_NAMES
+            if not isinstance(getattr(getattr(module, kind, None), attr, None), str)]
 
 
 class Attn1Owner:

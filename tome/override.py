@@ -38,14 +38,20 @@ from . import percall_calls as calls
 from .config import ToMeConfig
 from .kv import Spans
 from .layout import Layout
-from .modelpatcher import MARK
+from .modelpatcher import MARK, comfy_name
 from .report import PatchReport
 
 OVERRIDE = "optimized_attention_override"  # ComfyUI's key in transformer_options
-# ComfyUI's CallbacksMP: around each sampling run, on the patcher that samples (our clone)
-PRE_RUN, CLEANUP = "on_pre_run", "on_cleanup"
+# ComfyUI's CallbacksMP (around each sampling run, on the patcher that samples: our clone)
+# and WrappersMP kind, read from ComfyUI at use (``modelpatcher.comfy_name``)
+PRE_RUN, CLEANUP = ("CallbacksMP", "ON_PRE_RUN"), ("CallbacksMP", "ON_CLEANUP")
 SPANS_KEY = "tome_dit"  # the call's ``Spans`` in its transformer_options (for other nodes)
-APPLY_MODEL, WRAPPER_KEY = "apply_model", "tome"  # ComfyUI's wrapper type; our key in it
+APPLY_MODEL, WRAPPER_KEY = ("WrappersMP", "APPLY_MODEL"), "tome"  # the wrapper kind; our key
+# Our override's identity (``KvPool.tome_override``, its ``__module__``/``__qualname__``): what
+# a pack that checks which attention ran (ComfyUI's ``attention_backend_history_v1``) reads.
+# It never claims ``attention_preprocess_v1`` (a shape-preserving q/k/v transform): it changes
+# the keys' and values' length.
+IDENTITY = "tome.override.KvPool/1"
 ADAPTER = "attention override"  # ``PatchReport.adapter``
 # Where ComfyUI keeps the attention backend it chose at start-up (what a DiT's blocks call).
 COMFY_KERNEL = ("comfy.ldm.modules.attention", "optimized_attention")
@@ -60,8 +66,12 @@ class KvPool(percall.Flags):
     clears them before each model call and counts them after. ``skipped`` names blocks left
     unpooled and why (eager calls only)."""
 
+    tome_override = IDENTITY  # a stable, documented identity (no ``container_function``:
+    # ComfyUI then hands us q, k, v as tensors, never in its attention containers)
+
     def __init__(self, skipped: list | None = None, tally: Counter | None = None) -> None:
         super().__init__()
+        self.__qualname__ = type(self).__qualname__  # what callable-identity readers name
         self.skipped: list[tuple[Any, str]] = [] if skipped is None else skipped
         self.tally = Counter() if tally is None else tally  # ``percall_calls.count``
         self.plans: dict[tuple, dit.DitPlan] = {}  # eager: one per grid and factor
@@ -260,10 +270,10 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     if report.nothing:
         return unet_patcher, report
     clone = unet_patcher.clone()
-    clone.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ours.wrapper)
+    clone.add_wrapper_with_key(comfy_name(*APPLY_MODEL), WRAPPER_KEY, ours.wrapper)
     if reuses:
-        clone.add_callback_with_key(PRE_RUN, WRAPPER_KEY, ours.run_start)
-        clone.add_callback_with_key(CLEANUP, WRAPPER_KEY, ours.run_end)
+        clone.add_callback_with_key(comfy_name(*PRE_RUN), WRAPPER_KEY, ours.run_start)
+        clone.add_callback_with_key(comfy_name(*CLEANUP), WRAPPER_KEY, ours.run_end)
     setattr(clone, MARK, ours)
     return clone, report
 
@@ -279,14 +289,15 @@ def spans_of(read: Callable) -> Callable:
 def carried(unet_patcher: Any) -> bool:
     """Whether a patcher carries our ``apply_model`` wrapper (an earlier ToMe node's)."""
     wrappers = getattr(unet_patcher, "wrappers", None) or {}
-    return bool((wrappers.get(APPLY_MODEL) or {}).get(WRAPPER_KEY))
+    return bool((wrappers.get(comfy_name(*APPLY_MODEL)) or {}).get(WRAPPER_KEY))
 
 
 def strip(unet_patcher: Any) -> None:
     """Remove our ``apply_model`` wrapper from ``unet_patcher`` (a clone)."""
-    (getattr(unet_patcher, "wrappers", None) or {}).get(APPLY_MODEL, {}).pop(WRAPPER_KEY, None)
+    wrappers = getattr(unet_patcher, "wrappers", None) or {}
+    wrappers.get(comfy_name(*APPLY_MODEL), {}).pop(WRAPPER_KEY, None)
     if hasattr(unet_patcher, "remove_callbacks_with_key"):
         for kind in (PRE_RUN, CLEANUP):
-            unet_patcher.remove_callbacks_with_key(kind, WRAPPER_KEY)
+            unet_patcher.remove_callbacks_with_key(comfy_name(*kind), WRAPPER_KEY)
     if isinstance(getattr(unet_patcher, MARK, None), OverridePatch):
         delattr(unet_patcher, MARK)

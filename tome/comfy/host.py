@@ -9,7 +9,10 @@ inside a function, so the layer imports (and its tests run) without ComfyUI.
 - ``load_for_sampling``: the model on its sampling device before the measure node times it;
 - ``attention_override``: whether this ComfyUI has the attention override DiTs are pooled by;
 - ``leaves``: the calls a chained override takes only unpooled (ComfyUI's block-sparse
-  attention), recognised by its override object and decided by its own code.
+  attention), recognised by the mark on its override (its closure in v0.30.0) and decided
+  by its own code;
+- ``patcher_names_missing``: ComfyUI's wrapper and callback kinds this ComfyUI lacks
+  (``adapters.comfy_name`` reads the others from it).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import adapters, survey
 from .. import console as _console
-from .. import survey
 from ..measurements import Measurer
 
 
@@ -92,19 +95,42 @@ def load_for_sampling(model_patcher: Any) -> Any:
 
 SPARSE = "ComfyUI's block-sparse attention"
 SPARSE_MODULE = "nodes_sparse_attention"  # comfy_extras' module of the BlockSparseAttention node
+# The mark current ComfyUI puts on its block-sparse override (``mark_attention_override`` in
+# ``comfy_extras/sparse_attention_history.py``, read at Comfy-Org/ComfyUI@cf3103c5): the
+# settings object, and the override it chains (``_block_sparse_attention_previous``).
+SPARSE_MARK = "_block_sparse_attention_patch"
 
 
 def sparse_patch(override: Any) -> Any:
     """The settings object of ComfyUI's block-sparse attention where ``override`` is its
-    override (a closure of its module holding ``patch``, which has ``dense_reason``), else
-    None."""
-    if getattr(override, "__module__", "").rpartition(".")[2] != SPARSE_MODULE:
-        return None
-    code, cells = getattr(override, "__code__", None), getattr(override, "__closure__", None)
-    if code is None or not cells:
-        return None
-    patch = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("patch")
+    override, else None: its mark (``SPARSE_MARK``, current ComfyUI, which re-installs the
+    override every step), else (v0.30.0's node, unmarked) a closure of its module holding
+    ``patch``; either way one with ``dense_reason``."""
+    patch = getattr(override, SPARSE_MARK, None)
+    if patch is None and getattr(override, "__module__", "").rpartition(".")[2] == SPARSE_MODULE:
+        code, cells = getattr(override, "__code__", None), getattr(override, "__closure__", None)
+        if code is not None and cells:
+            patch = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("patch")
     return patch if callable(getattr(patch, "dense_reason", None)) else None
+
+
+def patcher_names_missing() -> list[str]:
+    """The ``WrappersMP``/``CallbacksMP`` names the pack registers under that this ComfyUI's
+    ``comfy.patcher_extension`` lacks (a rename: our wrappers would sit under 0.8.0's string);
+    empty where ComfyUI cannot be imported."""
+    try:
+        import comfy.patcher_extension  # noqa: F401 (loaded: modelpatcher reads it)
+    except Exception:  # noqa: BLE001 (not inside ComfyUI)
+        return []
+    return adapters.comfy_names_missing()
+
+
+def _declines(q: Any, k: Any, v: Any, dim_head: int) -> str | None:
+    """A marked block-sparse override whose module has no ``_ineligible``: the conditions
+    its node documents (a CUDA kernel, head dim 128, queries, keys and values of one shape)."""
+    if q.device.type != "cuda" or dim_head != 128 or not q.shape == k.shape == v.shape:
+        return "dense"
+    return None
 
 
 def leaves(override: Any, args: tuple, kwargs: dict) -> str | None:
@@ -113,9 +139,11 @@ def leaves(override: Any, args: tuple, kwargs: dict) -> str | None:
     ``dense_reason`` and ``_ineligible`` say yes): pooled keys make it decline (``q.shape !=
     k.shape``), so the call is left to it whole; else None (pooled as usual)."""
     patch = sparse_patch(override)
-    ineligible = getattr(sys.modules.get(override.__module__), "_ineligible", None) \
-        if patch is not None else None
-    if ineligible is None or getattr(patch, "vsa", False) or len(args) < 3:
+    if patch is None or getattr(patch, "vsa", False) or len(args) < 3:
+        return None
+    ineligible = getattr(sys.modules.get(getattr(override, "__module__", "")), "_ineligible",
+                         None) or (_declines if hasattr(override, SPARSE_MARK) else None)
+    if ineligible is None:
         return None
     q, k, v = args[:3]
     heads = args[3] if len(args) > 3 else kwargs.get("heads")

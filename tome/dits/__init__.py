@@ -56,7 +56,9 @@ from . import (
     comfy_mochi,
     comfy_omnigen2,
     comfy_qwen,
+    comfy_qwen21,
     comfy_sd3,
+    comfy_sensenova,
     comfy_unreached,
     comfy_wan,
     flux,
@@ -145,6 +147,8 @@ BUILTIN = (
     comfy_kandinsky,
     comfy_cogvideox,
     comfy_qwen,
+    comfy_qwen21,
+    comfy_sensenova,
     comfy_wan,
     neo_nunchaku,  # Forge Neo's: Nunchaku's before the others
     neo_chroma,  # before Flux (its blocks)

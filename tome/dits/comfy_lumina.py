@@ -5,7 +5,10 @@ before them a context refiner over the caption alone and a noise refiner over th
 alone (no block index: they share the blocks' factor where all blocks have one). Every call
 is ``optimized_attention_masked(q, k, v, heads, mask, skip_reshape=True, ...)`` with keys
 already rotated; the model is called with the sigma. Pooled through ComfyUI's attention
-override (``override.py``): ``spans`` says where a model call's image tokens sit."""
+override (``override.py``): ``spans`` says where a model call's image tokens sit. Z-Image's
+``direct_context`` (read at Comfy-Org/ComfyUI@dcbf1c1d, after v0.30.0): tokens already in the
+model's width appended to the prompt's caption before its padding, so the caption is longer
+than ``context``."""
 
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     ceil(W/p)`` tokens, its padding after (unpooled). The refiners' calls are placed by
     their lengths: the image alone is pooled like a joint call's image, the caption alone
     is not (nor an image as long as the caption: ``Spans.start``). Z-Image omni
-    (``ref_latents``): ``omni`` places its references before the image."""
+    (``ref_latents``): ``omni`` places its references before the image. The prompt's
+    caption counts ``direct_context``'s tokens too (``caption``)."""
     if x.dim() != 4 or not isinstance(context, torch.Tensor) or context.dim() != 3:
         return None
     p, multiple = int(model.patch_size), getattr(model, "pad_tokens_multiple", None)
@@ -40,7 +44,15 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     after = _padded(h * w, multiple) - h * w
     if conds.get("ref_latents"):
         return omni(model, p, multiple, context, conds, h * w + after, (h, w, after))
-    return _padded(int(context.shape[1]), multiple), True, 0, 1, h, w, after
+    return _padded(caption(context, conds), multiple), True, 0, 1, h, w, after
+
+
+def caption(context: torch.Tensor, conds: dict) -> int:
+    """The prompt's caption before padding: ``context``'s tokens, then ``direct_context``'s
+    (``[B, N, dim]``, appended after the caption embedder) where the call has one."""
+    direct = conds.get("direct_context")
+    extra = int(direct.shape[1]) if isinstance(direct, torch.Tensor) and direct.dim() == 3 else 0
+    return int(context.shape[1]) + extra
 
 
 def omni(model: nn.Module, p: int, multiple: Any, context: torch.Tensor, conds: dict,
@@ -59,7 +71,7 @@ def omni(model: nn.Module, p: int, multiple: Any, context: torch.Tensor, conds: 
     feats = list(conds.get("siglip_feats") or ())
     m = int(multiple)
     captions = sum(_padded(int(texts[i].shape[1]), m) if i < len(texts) else m
-                   for i in range(len(refs))) + _padded(int(context.shape[1]), m) \
+                   for i in range(len(refs))) + _padded(caption(context, conds), m) \
         + sum(_padded(int(t.shape[1]), m) for t in texts[len(refs):])
     siglip = 0
     if getattr(model, "siglip_embedder", None) is not None:

@@ -3,7 +3,8 @@
 A clone is a new patcher around the same model: weight patches copied per key, ``model_options``
 deep-copied (patch functions in it too: bound methods are deep-copied with their instance
 unless it says otherwise), wrappers and callbacks copied per key; no other attribute is
-carried over. ``pre_run``/``cleanup`` call the ``on_pre_run``/``on_cleanup`` callbacks with
+carried over. ``pre_run``/``cleanup`` call the ``CallbacksMP.ON_PRE_RUN``/``ON_CLEANUP`` callbacks
+(read at each call, as ComfyUI names them) with
 the patcher (``CFGGuider.outer_sample`` calls them around a sampling, ``cleanup`` in
 ``finally``); ``prepare_state`` calls the ``on_prepare_state`` callbacks each step.
 """
@@ -11,6 +12,8 @@ the patcher (``CFGGuider.outer_sample`` calls them around a sampling, ``cleanup`
 import copy
 
 import torch
+
+from comfy.patcher_extension import CallbacksMP
 
 
 class ModelPatcher:
@@ -50,18 +53,18 @@ class ModelPatcher:
         return [fn for fns in self.callbacks.get(call_type, {}).values() for fn in fns]
 
     def pre_run(self):
-        for callback in self.get_all_callbacks("on_pre_run"):
+        for callback in self.get_all_callbacks(CallbacksMP.ON_PRE_RUN):
             callback(self)
 
     def cleanup(self):
-        for callback in self.get_all_callbacks("on_cleanup"):
+        for callback in self.get_all_callbacks(CallbacksMP.ON_CLEANUP):
             callback(self)
 
     def prepare_state(self, timestep, model_options=None):
         """Each step, in ``calc_cond_batch`` before the model calls: the ``on_prepare_state``
         callbacks, called ``(patcher, timestep, model_options)`` as current ComfyUI does
         (0.8.0 passes ``(patcher, timestep)``; no callback of 0.8.0's core uses it)."""
-        for callback in self.get_all_callbacks("on_prepare_state"):
+        for callback in self.get_all_callbacks(CallbacksMP.ON_PREPARE_STATE):
             callback(self, timestep, model_options)
 
     def set_model_patch(self, patch, name):

@@ -11,6 +11,10 @@ through the attention override:
   tensors ``_ineligible`` declines (no kernel for the device, head dim not 128, ``q.shape
   != k.shape``: "cross-attention or GQA", mixed dtypes) runs ``previous`` (the override
   that was there) or the backend; the others run its kernel.
+- the mark (``MARKED``; ComfyUI after v0.30, ``mark_attention_override`` in
+  ``comfy_extras/sparse_attention_history.py`` at ``cf3103c5``): the override carries its
+  settings object as ``_block_sparse_attention_patch`` and the override it chains as
+  ``_block_sparse_attention_previous`` (v0.30.0's node: ``MARKED = False``, no mark);
 - ``install_override``: on top of whatever override is there, at patch time and again in
   ``on_prepare_state`` every step (into the sampling's options), once per closure.
 - ``apply_block_sparse_attention(model, ...)``: the clone with its override and callbacks.
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 HEAD_DIM = 128
 KERNEL_DEVICES = ("cuda", "cpu")  # the real kernel: CUDA only
 TAKEN: list[tuple] = []
+MARKED = True  # the override carries its settings and what it chains (False: v0.30.0)
 
 
 class SparseAttnPatch:
@@ -93,6 +98,9 @@ def make_attention_override(patch, previous):
             return out
         return out.transpose(1, 2).reshape(b, -1, heads * d)
 
+    if MARKED:
+        override._block_sparse_attention_patch = patch
+        override._block_sparse_attention_previous = previous
     return override
 
 

@@ -22,6 +22,10 @@ pad tokens; one multiple for the image), reference images (each padded), image (
 the refiners run over the captions, the SigLIP features and the images (references, then the
 image) apart.
 
+``direct_context`` (ComfyUI after v0.30.0, read at ``dcbf1c1d``): tokens already in the model's
+width (``[B, N, dim]``) appended to the prompt's embedded caption before its padding, so the
+caption (and the joint sequence) is longer than ``context``.
+
 Every attention is ``optimized_attention_masked(q, k, v, heads, mask, skip_reshape=True,
 transformer_options=...)`` with ``[B, heads, S, D]`` queries and keys already rotated (RoPE
 over caption position, row and column; padding at position 0). The model is called with the
@@ -120,7 +124,7 @@ class NextDiT(torch.nn.Module):
                               .flatten(3).flatten(1, 2))
         return self._pad(img, torch.zeros(b, hh * ww, 3), token)[0]
 
-    def _omni(self, x, t, context, refs, contexts, sigs, transformer_options):
+    def _omni(self, x, t, context, refs, contexts, sigs, transformer_options, direct=None):
         """Z-Image omni: [captions, SigLIP features, reference images, image], refined apart
         (positions all 0 here: the layout is what the stand-in keeps)."""
         b, m = x.shape[0], self.pad_tokens_multiple
@@ -133,8 +137,11 @@ class NextDiT(torch.nn.Module):
 
         caps = [padded(self.cap_embedder(contexts[i]), self.cap_pad_token)
                 if i < len(contexts) else pads(self.cap_pad_token) for i in range(len(refs))]
-        caps += [padded(self.cap_embedder(c), self.cap_pad_token)
-                 for c in [context, *contexts[len(refs):]]]
+        prompt = self.cap_embedder(context)
+        if direct is not None:
+            prompt = torch.cat([prompt, direct], 1)
+        caps += [padded(prompt, self.cap_pad_token)]
+        caps += [padded(self.cap_embedder(c), self.cap_pad_token) for c in contexts[len(refs):]]
         siglip = [padded(self.siglip_embedder(sigs[i].flatten(1, 2)), self.siglip_pad_token)
                   if i < len(sigs) else pads(self.siglip_pad_token) for i in range(len(refs))]
         siglip.append(pads(self.siglip_pad_token))
@@ -155,7 +162,7 @@ class NextDiT(torch.nn.Module):
         return joint[:, joint.shape[1] - images[-1].shape[1]:]
 
     def _forward(self, x, timesteps, context, num_tokens=None, attention_mask=None,
-                 ref_latents=(), ref_contexts=(), siglip_feats=(),
+                 ref_latents=(), ref_contexts=(), siglip_feats=(), direct_context=None,
                  transformer_options={}, **kwargs):  # noqa: B006
         b, c, h, w = x.shape
         p = self.patch_size
@@ -164,11 +171,13 @@ class NextDiT(torch.nn.Module):
         t = self.t_embedder(timestep_embedding(1.0 - timesteps, 16, time_factor=1000.0))
         if ref_latents:
             img = self._omni(x, t, context, list(ref_latents), list(ref_contexts or ()),
-                             list(siglip_feats or ()), transformer_options)
+                             list(siglip_feats or ()), transformer_options, direct_context)
             out = self.final_layer(img[:, :hh * ww]).view(b, hh, ww, p, p, c)
             out = out.permute(0, 5, 1, 3, 2, 4).reshape(b, c, hh * p, ww * p)[:, :, :h, :w]
             return -out
         cap = self.cap_embedder(context)
+        if direct_context is not None:
+            cap = torch.cat([cap, direct_context], 1)
         cap_ids = torch.zeros(b, cap.shape[1], 3)
         cap_ids[..., 0] = torch.arange(cap.shape[1], dtype=torch.float32) + 1
         cap, cap_ids = self._pad(cap, cap_ids, getattr(self, "cap_pad_token", None))
