@@ -84,6 +84,16 @@ class Keep:
         return ", ".join(parts)
 
 
+def kept_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as reuse keeps it in ``dtype`` (None: as it is), clamped first to that dtype's
+    finite range: before torch made float8 casts saturate, a float8_e4m3fn cast turned values
+    past +-448 into NaN (e5m2: past 57344, inf), which the steps between would add to the image."""
+    if dtype is None or dtype == t.dtype:
+        return t
+    top = torch.finfo(dtype).max
+    return (t.clamp(-top, top) if top < torch.finfo(t.dtype).max else t).to(dtype)
+
+
 class Reuse:
     """Residual reuse (``reuse`` = N, DiTFastAttn's residual sharing on pooled keys): a pooled
     block's attention also runs unpooled on a refresh and keeps ``r = full - pooled``; the
@@ -136,17 +146,24 @@ class Reuse:
         self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
 
     def set_keep(self, keep: Keep) -> None:
-        """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
-        refreshes at its next call; the current call too, where it reuses)."""
-        self.keep, self.at = keep, {}
+        """Keep ``keep`` from now on, step counting intact. What is kept is converted where
+        only the dtype or the slope changes (true CFG's second call stepping the ladder down:
+        the first call's refresh stands), else dropped: every identity then refreshes at its
+        next call, the current call too, where it reuses."""
+        old, self.keep = self.keep, keep
+        convert = keep.blocks is old.blocks is None and keep.image_only == old.image_only
         for part in self.parts:
-            part.reuse_kept = {}
+            part.reuse_kept = {who: {f: (kept_as(r, keep.dtype), None if s is None or not keep.slope
+                                         else kept_as(s, keep.dtype), at)
+                                     for f, (r, s, at) in by.items()}
+                               for who, by in part.reuse_kept.items()} if convert else {}
             part.reuse_on = self.keeps(part.index)
             part.reuse_cur = None if self.who is None else part.reuse_kept.setdefault(self.who, {})
-        self.refresh = self.who is not None
         self.active = self.active and keep.blocks != 0
-        if self.who is not None:
-            self.at[self.who] = self.step
+        if not convert:
+            self.at, self.refresh = {}, self.who is not None
+            if self.who is not None:
+                self.at[self.who] = self.step
 
     @property
     def kept(self) -> dict[tuple, tuple]:
@@ -244,8 +261,7 @@ class Reuse:
             slope = torch.zeros_like(r) if kept is None else \
                 (r - kept[0].to(r.dtype)) / (self.now - kept[2]).clamp(min=1)
         dt = self.keep.dtype
-        cur[factor] = (r if dt is None else r.to(dt),
-                       slope if slope is None or dt is None else slope.to(dt), self.now)
+        cur[factor] = (kept_as(r, dt), None if slope is None else kept_as(slope, dt), self.now)
         return f
 
 

@@ -298,6 +298,23 @@ def call_parts(specs: Sequence[tuple], layout: Any, x: torch.Tensor, size: tuple
             for i, joint, width, n in specs]
 
 
+def compute_dtype(model: Any) -> torch.dtype | None:
+    """The dtype a host's model base casts the latent to inside its call, where the shim
+    (``apply_model`` wrapper, ``model_function_wrapper``) still sees the sampler's float32:
+    ComfyUI's ``get_dtype_inference()`` (before it: ``manual_cast_dtype``, else
+    ``get_dtype()``), Forge's and Forge Neo's ``computation_dtype``; None where it says none."""
+    try:
+        if callable(getattr(model, "get_dtype_inference", None)):
+            dtype = model.get_dtype_inference()
+        elif callable(getattr(model, "get_dtype", None)):
+            dtype = getattr(model, "manual_cast_dtype", None) or model.get_dtype()
+        else:
+            dtype = getattr(model, "computation_dtype", None)
+    except Exception:  # noqa: BLE001 (a model base that cannot say: the call's dtype)
+        return None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 class ReuseBudget:
     """Residual reuse's memory for one patched DiT (``processors.py`` asks at every call
     that reuses, right after ``Reuse.begin``). At a generation's first call, and at each call
@@ -323,23 +340,29 @@ class ReuseBudget:
         self.grid: tuple | None = None
         self.last: float | None = None
         self.calls: dict[Any, int] = {}   # this generation's call identities -> batch rows
+        self.had: dict[tuple, dict] = {}  # grid -> the identities its last generation had
         self.said: Keep | None = None     # the step the last console line named
         self.keep, self.need = Keep(), 0
         self.fixed: Keep | None = None    # keep this whatever memory says (the lab's ladder)
+        # The dtype the model computes in where the host casts the latent to it inside the
+        # call, after the shim saw it (``compute_dtype``: ComfyUI, Forge); None: the call's.
+        self.compute: torch.dtype | None = None
 
     def release(self) -> None:
         """Free what reuse keeps (the other expert's generation starts)."""
         self.reuse.reset()
 
-    @staticmethod
-    def _dtype(x: torch.Tensor) -> torch.dtype:
-        """The attention outputs' dtype: autocast's where it is on, else the call's (a
-        quantised model's weights say nothing about it)."""
+    def _dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The attention outputs' dtype: autocast's where it is on, else the one the host
+        computes in (``compute``), else the call's (a quantised model's weights say nothing
+        about it)."""
         try:  # torch >= 2.4 (older: no autocast dtype per device type; the call's)
             if torch.is_autocast_enabled(x.device.type):
                 return torch.get_autocast_dtype(x.device.type)
         except (AttributeError, TypeError, RuntimeError):
             pass
+        if self.compute is not None:
+            return self.compute
         return x.dtype if x.is_floating_point() else torch.float32
 
     def begin(self, x: torch.Tensor, size: tuple[int, ...], text: int, p: float
@@ -350,6 +373,9 @@ class ReuseBudget:
         r, grid = self.reuse, tuple(size)
         first = r.who is not None and r.step == 0 and len(r.at) == 1 and r.refresh
         new = first or grid != self.grid or self.last is None or p < self.last
+        if new and self.calls and self.grid is not None:
+            self.had.pop(self.grid, None)  # the newest last (at most 8 grids remembered)
+            self.had = {**dict(list(self.had.items())[-7:]), self.grid: self.calls}
         self.grid, self.last = grid, p
         if new:
             self.calls = {}
@@ -361,15 +387,23 @@ class ReuseBudget:
             return self.fallback if self.keep.blocks == 0 else self.schedule
         who = r.who if r.who is not None else ("call", x.shape[0])
         self.calls[who] = int(x.shape[0])
-        self._decide(x, size, text, p)
+        if new or who not in self._expected():  # else budgeted for from the first call
+            self._decide(x, size, text, p)
         if r.who is not None and who != r.who:  # reuse back on at this call: its identity
             self.calls[r.who] = self.calls.pop(who)
         return self.fallback if self.keep.blocks == 0 else self.schedule
 
+    def _expected(self) -> dict:
+        """The identities this generation will have, as far as known: those the last one on
+        its grid had, while this one's so far are among them (true CFG's uncond then counts
+        from the cond's first call), else none."""
+        had = self.had.get(self.grid, {})
+        return had if all(had.get(w) == n for w, n in self.calls.items()) else {}
+
     def _decide(self, x: torch.Tensor, size: tuple[int, ...], text: int, p: float) -> None:
         r, dtype = self.reuse, self._dtype(x)
         parts = call_parts(self.specs, self.layout, x, size, text)
-        rows = sum(self.calls.values())
+        rows = sum({**self._expected(), **self.calls}.values())
         free = available(x.device)
         if free is not None:
             free += r.held_bytes()  # what it keeps now is freed if it keeps less
