@@ -284,3 +284,33 @@ def test_a_spans_that_raises_in_forge_neo_passes_the_call_through_once(monkeypat
     said = [x for x in capsys.readouterr().out.splitlines() if "could not place" in x]
     assert said == ["ToMe: forge neo flux could not place a model call's tokens (ValueError: "
                     "no latent); the calls it cannot place run unpooled"]
+
+
+def test_forge_neo_budget_counts_in_the_dtype_its_kmodel_computes_in(monkeypatch, capsys):
+    """Forge Neo's ``model_function_wrapper`` gets the sampler's float32 latent too, and its
+    KModel casts it to ``computation_dtype`` inside ``apply_model``: a bf16 Flux keeps 16-bit
+    residuals and slopes (4 blocks, 16 image + 7 text rows, width 32); with memory for those
+    and not twice them, reuse keeps everything."""
+    from webui_stub.harness import neo
+
+    from tome import swap
+    model = neo.NeoModel("flux")
+    unet = model.forge_objects.unet
+    unet.model.diffusion_model.to(torch.bfloat16)
+    unet.model.computation_dtype = torch.bfloat16
+    rows = 16 + neo.TEXT_TOKENS
+    need = 2 * 2 * BLOCKS * rows * WIDTH
+    reserve = memory.ACTIVATION_COPIES * rows * WIDTH * 2
+    monkeypatch.setattr(memory, "available", lambda device: math.ceil(
+        (need + reserve) * memory.MARGIN) + memory.HEADROOM)
+    patched, _ = adapters.patch_model_patcher(unet, preset("quality", policy="fixed"))
+    ours = getattr(patched, MARK)
+    assert isinstance(ours, swap.Swap)
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    capsys.readouterr()
+    for sigma in (1.0, 0.9):
+        out = neo.calc_batch(patched, x, torch.tensor([sigma]), model.conds("a cat", 1), [0])
+        assert torch.isfinite(out).all()
+    assert ours.budget.keep == attend.Keep() and ours.budget.need == need
+    assert ours.reuse.held_bytes() == need
+    assert "residual reuse would keep" not in capsys.readouterr().out

@@ -124,7 +124,7 @@ def test_a_second_call_per_step_is_counted_before_it_keeps_anything(monkeypatch)
     try:
         st = state(model)
         st.budget.say = lines.append
-        steps(model, 7, cfg=True)  # the cond refreshes again at step 1 and 6, the uncond 0, 5
+        steps(model, 7, cfg=True)  # both refresh at 0 and 5 (the cond's kept is converted)
         step = attend.Keep(dtype=torch.bfloat16)
         assert st.budget.keep == step and len(lines) == 1
         assert st.reuse.held_bytes() == st.budget.need == memory.reuse_bytes(

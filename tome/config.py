@@ -100,7 +100,8 @@ class ToMeConfig:
     blocks: str = field(default="all", metadata=_meta(
         "DiT blocks", "ToMe blocks",
         "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks "
-        "only) or a range of block indices such as 0-18 (double-stream blocks count first)."))
+        "only) or a range of block indices such as 0-18 (double-stream blocks count first). "
+        "A schedule names its blocks itself (then leave this at all)."))
     matching: str = field(default="global", metadata=_meta(
         "Matching", "ToMe matching",
         "global: every source may merge into any destination (as tomesd). local: only into "

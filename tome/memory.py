@@ -199,7 +199,8 @@ def _elem(dtype: torch.dtype) -> int:
 
 #: Kept residuals in 16 bits where the output is float32 (lossless on the tiny DiT).
 HALF = torch.bfloat16
-#: Then in 8 bits (e4m3, saturating at +-448; lossless on the tiny DiT), where torch has it.
+#: Then in 8 bits (e4m3: clamped to +-448 before the cast, ``attend.kept_as``; lossless on the
+#: tiny DiT), where torch has it.
 EIGHT = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -322,10 +323,13 @@ class ReuseBudget:
     uncond), it estimates what reuse will keep with the identities so far (``call_parts``,
     ``reuse_bytes``) before anything of theirs is kept, and checks it against the free memory
     of the device the outputs live on (what it holds itself counts as free; the forward's
-    activations are reserved, with ``check``'s margin): the first ``ladder`` step that fits,
+    activations are reserved, with ``check``'s margin; in the dtype the model computes in,
+    ``compute``): the first ``ladder`` step that fits,
     or at the bottom the settings' point without reuse (``config.without_reuse``: a preset's
     schedule changes too). One console line where that is not everything, and again when it
-    changes; ``report.memory`` says what it keeps. ``partner``: a pipeline's other expert
+    changes; ``report.memory`` says what it keeps. A generation on a grid whose last one had
+    more identities (true CFG's uncond) is budgeted for them from its first call, while its
+    own are among them. ``partner``: a pipeline's other expert
     (Wan 2.2 A14B), whose residuals are freed when this one's generation starts."""
 
     def __init__(self, layout: Any, config: Any, blocks: Sequence[int], reuse: Any,
