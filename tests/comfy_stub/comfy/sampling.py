@@ -204,8 +204,8 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, batched=Fa
     ``uncond`` the second context), mixed; ``batched``: one call for both, as ComfyUI makes
     it where its memory check lets it batch them: the chunks in its order, uncond first
     (``cond_or_uncond`` [1, 0], one entry per chunk, ``uuids`` alike), latents, contexts and
-    tensor conditions concatenated, ``sigmas`` one chunk's. The latent starts as ``sigmas[0] * noise`` (an
-    empty latent). Returns the final latent."""
+    tensor conditions concatenated, ``sigmas`` one chunk's. The latent starts as ``sigmas[0] *
+    noise`` (an empty latent). Returns the final latent."""
     import uuid as _uuid
     from types import SimpleNamespace
 
