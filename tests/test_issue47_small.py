@@ -198,8 +198,10 @@ def test_true_cfg_refreshes_every_5_steps_and_says_the_ladder_once(lines, monkey
 
 def test_blocks_beside_a_schedule_is_a_value_error_naming_both():
     with pytest.raises(ValueError, match=r"invalid blocks='double': schedule='all:8' names "
-                                         r"the blocks itself"):
+                                         r"the blocks itself.*\('double:8'\)"):
         ToMeConfig(method="downsample", schedule="all:8", blocks="double")
+    with pytest.raises(ValueError, match=r"blocks='0-3': schedule='inner:2'"):
+        preset("quality", schedule="inner:2", blocks="0-3")
     ToMeConfig(method="downsample", schedule="all:8", blocks="all")  # the default: fine
     ToMeConfig(method="downsample", blocks="double")  # without a schedule: it says which
 

@@ -151,11 +151,9 @@ class Reuse:
         the first call's refresh stands), else dropped: every identity then refreshes at its
         next call, the current call too, where it reuses."""
         old, self.keep = self.keep, keep
-        convert = keep.blocks is old.blocks is None and keep.image_only == old.image_only
+        convert = keep.blocks is None and old.blocks is None and keep.image_only == old.image_only
         for part in self.parts:
-            part.reuse_kept = {who: {f: (kept_as(r, keep.dtype), None if s is None or not keep.slope
-                                         else kept_as(s, keep.dtype), at)
-                                     for f, (r, s, at) in by.items()}
+            part.reuse_kept = {who: {f: self._converted(*t) for f, t in by.items()}
                                for who, by in part.reuse_kept.items()} if convert else {}
             part.reuse_on = self.keeps(part.index)
             part.reuse_cur = None if self.who is None else part.reuse_kept.setdefault(self.who, {})
@@ -164,6 +162,12 @@ class Reuse:
             self.at, self.refresh = {}, self.who is not None
             if self.who is not None:
                 self.at[self.who] = self.step
+
+    def _converted(self, r: torch.Tensor, slope: Any, at: Any) -> tuple:
+        """What is kept, (residual, slope, step), as ``keep`` keeps it (``set_keep``)."""
+        dt = self.keep.dtype
+        return kept_as(r, dt), None if slope is None or not self.keep.slope \
+            else kept_as(slope, dt), at
 
     @property
     def kept(self) -> dict[tuple, tuple]:

@@ -197,9 +197,13 @@ class ToMeConfig:
         except ValueError as e:
             fail("schedule", str(e))
         if self.schedule.strip() and dit.parse_blocks(self.blocks)[0] != "all":
+            try:  # the schedule with these blocks, where its items name all blocks
+                hint = repr(dit.Schedule.parse(self.schedule).retarget(self.blocks))
+            except ValueError:
+                hint = "e.g. 'double:8'"
             fail("blocks", f"schedule={shown(self.schedule)} names the blocks itself, so this "
-                 "would do nothing; write them in the schedule (e.g. 'double:8') or leave "
-                 "blocks at 'all'")
+                 f"would do nothing; write them in the schedule ({hint}) or leave blocks at "
+                 "'all'")
 
     @property
     def max_ratio(self) -> float:
