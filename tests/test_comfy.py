@@ -916,7 +916,7 @@ def test_the_quality_preset_reuses_residuals_per_cond_and_uncond(lines, monkeypa
 
 def test_reuse_that_does_not_fit_in_memory_runs_the_point_without_it(capsys, monkeypatch):
     """What reuse would keep is checked against free memory before anything is kept
-    (``memory.ReuseBudget`` on the per-call path): with almost nothing free, one line says so
+    (``budget.ReuseBudget`` on the per-call path): with almost nothing free, one line says so
     and the sampling runs the settings' point without reuse (the quality preset's: x2 in
     single blocks from 0.3), keeping nothing."""
     from tome import memory

@@ -54,16 +54,11 @@ NAMES_NONE = ("ToMe: {} names no block of this DiT (it has blocks 0-3, double-st
     ({"blocks": "9-12"}, NAMES_NONE.format("blocks='9-12'")),
     ({"schedule": "7-9:4"}, NAMES_NONE.format("schedule='7-9:4'")),
     ({"schedule": "all:1"}, "ToMe: these settings change nothing (every block at x1)"),
-    ({"schedule": "double:2", "blocks": "9"}, None),  # the schedule wins: it names blocks
 ])
 def test_settings_naming_no_block_pass_through_with_their_line(lines, settings, why):
     base = flux_model()
     ref = sample(base)
     (out,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, **settings))
-    if why is None:
-        assert out is not base and override.carried(out)
-        assert not torch.equal(sample(out), ref)
-        return
     assert out is base and not override.carried(base) and getattr(base, mp.MARK, None) is None
     assert lines == [f"{why}; {nodes.PASSES}"]
     assert torch.equal(sample(out), ref)
@@ -75,6 +70,9 @@ def test_settings_naming_no_block_pass_through_with_their_line(lines, settings, 
     ({"reuse": 10**30}, "reuse=1000000000000000000000000000000: must be a non-negative "
                         "integer in [0, 20]"),
     ({"schedule": ",".join(["all:2"] * 100_000)}, "100000 items: at most 64"),
+    # blocks beside a schedule would do nothing (the schedule names its blocks): refused
+    ({"schedule": "double:2", "blocks": "9"}, "blocks='9': schedule='double:2' names the "
+                                              "blocks itself"),
 ])
 def test_out_of_range_inputs_fail_before_anything_is_patched(lines, settings, message):
     """ComfyUI's /prompt refuses numbers outside an input's min/max; a graph run another way

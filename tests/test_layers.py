@@ -25,7 +25,7 @@ LAYERS = [
     ("tome.percall_calls",),  # what a patch's model and attention calls did: counts, tally
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
-    ("tome.policy", "tome.layout", "tome.memory"),
+    ("tome.policy", "tome.layout", "tome.memory", "tome.budget"),
     ("tome.timing_results",),  # what measure found: pure data, kept by measurements
     ("tome.plan",),
     ("tome.report",),

@@ -18,7 +18,7 @@ import torch
 from models import randomised
 
 import tome
-from tome import attend, dit, memory, processors
+from tome import attend, budget, dit, memory, processors
 from tome.config import preset, without_reuse
 from tome.measure import measure
 from tome.report import STATE_ATTR
@@ -124,11 +124,11 @@ def test_a_second_call_per_step_is_counted_before_it_keeps_anything(monkeypatch)
     try:
         st = state(model)
         st.budget.say = lines.append
-        steps(model, 7, cfg=True)  # the cond refreshes again at step 1 and 6, the uncond 0, 5
+        steps(model, 7, cfg=True)  # both refresh at 0 and 5 (the cond's kept is converted)
         step = attend.Keep(dtype=torch.bfloat16)
         assert st.budget.keep == step and len(lines) == 1
-        assert st.reuse.held_bytes() == st.budget.need == memory.reuse_bytes(
-            [memory.Part(i, TEXT + IMAGE, IMAGE, WIDTH) for i in range(BLOCKS)], 2,
+        assert st.reuse.held_bytes() == st.budget.need == budget.reuse_bytes(
+            [budget.Part(i, TEXT + IMAGE, IMAGE, WIDTH) for i in range(BLOCKS)], 2,
             torch.float32, step)
     finally:
         tome.remove_patch(model)
@@ -151,7 +151,7 @@ def test_too_little_free_memory_steps_down_the_ladder_to_no_reuse(monkeypatch, c
                 (attend.Keep(dtype=bf16, image_only=True), 2 * image),
                 (attend.Keep(dtype=fp8, image_only=True), image),
                 (attend.Keep(slope=False, dtype=fp8, image_only=True), image // 2)]
-    assert memory.ladder(torch.float32, "cpu") == [k for k, _ in expected]
+    assert budget.ladder(torch.float32, "cpu") == [k for k, _ in expected]
     try:
         for keep, held in expected:
             tome.apply_patch(model, config=config)
@@ -334,7 +334,7 @@ def test_the_frontier_prints_what_reuse_keeps_and_each_ladder_steps_fidelity(tmp
     from tome_lab import dit_frontier
     rows = dit_frontier.run(tmp_path, steps=6, seeds=(0,), ladder_only=True)
     names = [r["setting"] for r in rows]
-    assert names[0] == "unpooled" and len(names) == 2 + len(memory.ladder(torch.float32, "cpu"))
+    assert names[0] == "unpooled" and len(names) == 2 + len(budget.ladder(torch.float32, "cpu"))
     held = [r["held"] for r in rows[1:]]
     assert held[-1] == 0 and all(a > b for a, b in zip(held, held[1:]))
     assert all(r["psnr"] > 0 for r in rows[1:])

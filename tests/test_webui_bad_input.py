@@ -1,6 +1,7 @@
 """Bad input over the WebUI's API (``/sdapi/v1/txt2img`` through the stand-in): a value
 outside the range its message, slider and node input quote, a schedule too long, a mistyped
-setting: HTTP 422 naming it, one console line, nothing patched and no step run."""
+setting, blocks beside a schedule: HTTP 422 naming it, one console line, nothing patched
+and no step run."""
 
 import pytest
 from webui_stub.harness import WebUI, errors, shared
@@ -29,6 +30,9 @@ def request(args, **payload):
                                                   "64"),
     ({"ratoi": 0.5}, "ToMe: unknown setting(s) ['ratoi'] (did you mean 'ratio'?); known: "),
     ({"preset": "fast", "reuse": 10**30}, "ToMe: invalid reuse=1000000000000000000000000000000"),
+    # blocks beside a schedule would do nothing (issue 47)
+    ({"schedule": "all:8", "blocks": "double"}, "ToMe: invalid blocks='double': schedule='all:8' "
+                                                "names the blocks itself"),
 ])
 def test_bad_input_is_answered_422_before_anything_changes(webui, capsys, args, message):
     r = webui.api("txt2img", request([{"enabled": True, **args}]))

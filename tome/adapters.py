@@ -85,7 +85,7 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
 def _experts(first: nn.Module, second: nn.Module) -> None:
     """Two experts of one pipeline take turns (Wan 2.2 A14B: the second runs the later
     steps): each one's residual reuse frees the other's residuals when its generation starts,
-    so the two never hold theirs at once (``memory.ReuseBudget.partner``)."""
+    so the two never hold theirs at once (``budget.ReuseBudget.partner``)."""
     a, b = (getattr(vars(m).get(STATE_ATTR), "budget", None) for m in (first, second))
     if a is not None and b is not None:
         a.partner, b.partner = b, a

@@ -100,7 +100,8 @@ class ToMeConfig:
     blocks: str = field(default="all", metadata=_meta(
         "DiT blocks", "ToMe blocks",
         "DiTs: which blocks pool image keys/values: all, double (double-stream/joint blocks "
-        "only) or a range of block indices such as 0-18 (double-stream blocks count first)."))
+        "only) or a range of block indices such as 0-18 (double-stream blocks count first). "
+        "A schedule names its blocks itself (then leave this at all)."))
     matching: str = field(default="global", metadata=_meta(
         "Matching", "ToMe matching",
         "global: every source may merge into any destination (as tomesd). local: only into "
@@ -195,6 +196,14 @@ class ToMeConfig:
             dit.Schedule.parse(self.schedule)
         except ValueError as e:
             fail("schedule", str(e))
+        if self.schedule.strip() and dit.parse_blocks(self.blocks)[0] != "all":
+            try:  # the schedule with these blocks, where its items name all blocks
+                hint = repr(dit.Schedule.parse(self.schedule).retarget(self.blocks))
+            except ValueError:
+                hint = "e.g. 'double:8'"
+            fail("blocks", f"schedule={shown(self.schedule)} names the blocks itself, so this "
+                 f"would do nothing; write them in the schedule ({hint}) or leave blocks at "
+                 "'all'")
 
     @property
     def max_ratio(self) -> float:
@@ -389,7 +398,30 @@ def preset(name: str, **changes: Any) -> ToMeConfig:
     if key not in PRESETS:
         raise ValueError(f"ToMe: unknown preset {name!r}; known: {sorted(PRESETS)}")
     check_names(changes)
-    return ToMeConfig(**{**PRESETS[key], **changes})
+    return ToMeConfig(**{**PRESETS[key], **on_preset(PRESETS[key], changes)})
+
+
+def from_preset(name: str, data: dict[str, Any]) -> ToMeConfig:
+    """``preset(name)`` with loosely typed ``data`` over it (coerced as ``ToMeConfig.from_dict``
+    does): the WebUI's API and X/Y/Z, where keys given next to a preset override it."""
+    check_names(data)
+    return preset(name, **{k: coerce(FIELDS[k], v) for k, v in data.items()})
+
+
+def on_preset(values: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` to a preset's ``values``: its DiT schedule is a starting point, so
+    ``blocks`` and ``downsample_factor`` given without a schedule go into it (quality's
+    ``all:8``, blocks double: ``double:8``; factor 4: ``all:4``; a UNet reads the factor as
+    ever) rather than doing nothing. That point is the user's: without reuse it stays."""
+    schedule = values.get("schedule", "")
+    if not schedule or "schedule" in changes or not {"blocks", "downsample_factor"} & set(changes):
+        return changes
+    try:
+        text = dit.Schedule.parse(schedule).retarget(changes.get("blocks", "all"),
+                                                      changes.get("downsample_factor"))
+    except ValueError:  # ``ToMeConfig`` names the bad value
+        return changes
+    return {**changes, "schedule": text, "blocks": "all"}
 
 
 def without_reuse(config: ToMeConfig, kinds: Sequence[str] | None = None) -> ToMeConfig:

@@ -307,6 +307,25 @@ class Schedule:
             f", steps {lo:g}-{hi:g}" if (lo, hi) != (0, 1) else "")
             for sel, fac, lo, hi in self.items)
 
+    def retarget(self, blocks: str = "all", factor: int | None = None) -> str:
+        """This schedule's text with its ``all`` items in ``blocks`` (the ``blocks``
+        setting's values) and every item at ``factor`` (None: its own): a preset's schedule
+        with the user's ``blocks`` and ``downsample_factor`` (``config.on_preset``). Raises
+        ``ValueError`` where ``blocks`` is not a setting's value, or is not ``all`` and an
+        item names blocks of its own."""
+        which = parse_blocks(blocks)[0]
+        items = []
+        for (sel, a, b), fac, lo, hi in self.items:
+            named = f"{a}-{b}" if sel == "range" else sel
+            if which != "all":
+                if sel != "all":
+                    raise ValueError(f"blocks={blocks!r} beside a schedule item naming "
+                                     f"{named}: set a schedule instead")
+                named = str(blocks).strip().lower().replace(" ", "")
+            window = f"@{lo:g}-{hi:g}" if (lo, hi) != (0, 1) else ""
+            items.append(f"{named}:{fac if factor is None else factor}{window}")
+        return ",".join(items)
+
     def window(self) -> tuple[float, float]:
         """The steps where any block may pool (what the planner's window needs to let in)."""
         pooled = [(lo, hi) for _, fac, lo, hi in self.items] or [(0.0, 0.0)]

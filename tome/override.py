@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from . import dit, kv, merge, percall
+from . import budget, dit, kv, merge, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .kv import Spans
 from .layout import Layout
 from .modelpatcher import MARK, comfy_name
-from .report import PatchReport
+from .report import PatchReport, Unread
 
 OVERRIDE = "optimized_attention_override"  # ComfyUI's key in transformer_options
 # ComfyUI's CallbacksMP (around each sampling run, on the patcher that samples: our clone)
@@ -166,6 +166,7 @@ class OverridePatch(percall.Core):
         self.sigmas: tuple[Any, list[float]] = (None, [])  # the sampler's sigmas, read once
         self.steps: dict[int, list[int]] = {}  # this sampling: step -> [model calls, reaching us]
         self.last_chained: Any = None  # the other override last told (``_tell_chained``)
+        self.read = Unread(layout.family)  # the family's ``spans``: raising passes through
 
     def _tell_chained(self, prev: Any) -> None:
         """One line per other override chained (another node's, before or after ours)."""
@@ -227,7 +228,7 @@ class OverridePatch(percall.Core):
         if self.on_call is not None:
             self.on_call(options)
         context = args[3] if len(args) > 3 else kwargs.get("c_crossattn")
-        spans = self.spans_of(self.layout.root, x, context, kwargs)
+        spans = self.read(self.spans_of, self.layout.root, x, context, kwargs)
         who, sigma = options.get("cond_or_uncond"), options.get("sigmas")
         if isinstance(sigma, torch.Tensor) and sigma.numel():
             sigma = float(sigma.reshape(-1)[0])  # this call's one read of its sigma
@@ -266,6 +267,8 @@ def patch(unet_patcher: Any, layout: Layout, config: ToMeConfig, spans_of: Calla
     (``on_cleanup``, also after an error or an interrupt)."""
     reuses = hasattr(unet_patcher, "add_callback_with_key")
     ours = OverridePatch(config, layout, spans_of, percent_to_sigma, reuses)
+    if ours.budget is not None:  # the model base casts the latent inside the call (issue 47)
+        ours.budget.compute = budget.compute_dtype(getattr(unet_patcher, "model", None))
     report = ours.report_as(ADAPTER)
     if report.nothing:
         return unet_patcher, report

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attend, dit, memory, merge, plan
+from . import attend, budget, dit, merge, plan
 from .config import ToMeConfig, without_reuse
 from .kv import CallState, Spans
 from .layout import Layout
@@ -121,7 +121,7 @@ class Core(Counts):
     is False (Forge Neo's Flux hands them before RoPE), so ``rope="pooled"`` is applied as
     "before" there. Residual reuse (``reuses``: a host that resets it at its run start) is
     kept per block part, call identity and factor (``attend.Reuse``) under the memory budget
-    (``memory.ReuseBudget``); without ``reuses`` a preset becomes its point without reuse.
+    (``budget.ReuseBudget``); without ``reuses`` a preset becomes its point without reuse.
     What is left out is named in ``limits``."""
 
     def __init__(self, config: ToMeConfig, layout: Layout, spans_of: Callable,
@@ -163,15 +163,15 @@ class Core(Counts):
         if not self.applied.reuse:
             return None, None
         n = len(self.kinds)
-        counts = [memory.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
+        counts = [budget.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
         reuse = attend.Reuse(self.applied.reuse)
         reuse.order = tuple(i for i, c in enumerate(counts) if c)
         for i in range(n):
             reuse.join(i)
-        budget = memory.ReuseBudget(layout, self.applied, reuse.order, reuse)
-        budget.specs = [(i, True, _width(layout.blocks[i].module), counts[i])
-                        for i in reuse.order]
-        return reuse, budget
+        limit = budget.ReuseBudget(layout, self.applied, reuse.order, reuse)
+        limit.specs = [(i, True, _width(layout.blocks[i].module), counts[i])
+                       for i in reuse.order]
+        return reuse, limit
 
     def reset(self, *_: Any) -> None:
         """Drop what residual reuse keeps, in every thread (a generation's end, removal)."""

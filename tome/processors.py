@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import brackets, console, dit, dits, memory, merge, percall, percall_calls, policy
+from . import brackets, budget, console, dit, dits, merge, percall, percall_calls, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Block, Layout
@@ -57,7 +57,7 @@ class _State(percall_calls.Counts, percall.Flags):
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
         self.reuse = _attend.Reuse(config.reuse)
-        self.budget: memory.ReuseBudget | None = None  # what reuse may keep (``apply``)
+        self.budget: budget.ReuseBudget | None = None  # what reuse may keep (``apply``)
         self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
         self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
@@ -363,7 +363,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     state = _State(config, report, layout)
     state.reuse.order = tuple(i for i, _ in targets)
     if config.reuse:
-        state.budget = memory.ReuseBudget(layout, config, state.reuse.order, state.reuse, report)
+        state.budget = budget.ReuseBudget(layout, config, state.reuse.order, state.reuse, report)
     hooks = state.hooks = _Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))

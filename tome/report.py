@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import methods
+from . import console, methods
 from .config import ToMeConfig
 
 # How a patch reaches the blocks: hooks (UNets), the attn1 patch (ModelPatcher), attention
@@ -46,7 +46,7 @@ class PatchReport:
     rope: bool = False  # a DiT with rotary positions (the ``rope`` option applies)
     # What the model is to the library (``Layout.facts``): its words for the blocks covered.
     facts: Any = field(default=None, repr=False, compare=False)
-    # What residual reuse keeps, once a generation has decided it (``memory.ReuseBudget``):
+    # What residual reuse keeps, once a generation has decided it (``budget.ReuseBudget``):
     # ``reuse keeps 3.0 GiB (residual + slope)``, ``reuse off (not enough memory)``.
     memory: str | None = None
 
@@ -135,3 +135,25 @@ class PatchReport:
         if self.skipped:
             text += f"; {len(self.skipped)} skipped ({self.skipped[0][1]})"
         return text
+
+
+class Unread:
+    """A family's reading of a model call while sampling (its ``spans``), guarded as
+    ``recognise`` and ``read`` are when the graph is built: one that raises passes the call
+    through unpooled (None) with one console line per patch, instead of failing the prompt
+    (the per-call shims: ComfyUI's ``apply_model`` wrapper, Forge Neo's swap)."""
+
+    def __init__(self, family: str, say: Any = console.line):
+        self.family, self.say, self.told = family, say, False
+
+    def __call__(self, read: Any, *args: Any) -> Any:
+        try:
+            return read(*args)
+        except Exception as e:  # noqa: BLE001 (the family's mistake: this call runs unpooled)
+            if not self.told:
+                self.told = True
+                why = f"{type(e).__name__}: {e}"
+                self.say(f"ToMe: {self.family} could not place a model call's tokens "
+                         f"({why if len(why) <= 200 else why[:197] + '...'}); the calls it "
+                         "cannot place run unpooled")
+            return None

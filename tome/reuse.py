@@ -37,6 +37,16 @@ class Keep:
         return ", ".join(parts)
 
 
+def kept_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as reuse keeps it in ``dtype`` (None: as it is), clamped first to that dtype's
+    finite range: before torch made float8 casts saturate, a float8_e4m3fn cast turned values
+    past +-448 into NaN (e5m2: past 57344, inf), which the steps between would add to the image."""
+    if dtype is None or dtype == t.dtype:
+        return t
+    top = torch.finfo(dtype).max
+    return (t.clamp(-top, top) if top < torch.finfo(t.dtype).max else t).to(dtype)
+
+
 class Slot:
     """One block part's residuals in one thread's generation (a ``Lane``'s): what ``Reuse``
     keeps for it (identity -> factor -> (r, slope, at)) and, during a call, this call's
@@ -158,22 +168,33 @@ class Reuse:
         self.lane().reset()
 
     def set_keep(self, keep: Keep) -> None:
-        """Keep ``keep`` from now on: drops what is kept, step counting intact (every identity
-        refreshes at its next call; the current call too, where it reuses)."""
-        self.keep = keep
+        """Keep ``keep`` from now on, step counting intact. What is kept is converted where
+        only the dtype or the slope changes (true CFG's second call stepping the ladder down:
+        the first call's refresh stands), else dropped: every identity then refreshes at its
+        next call, the current call too, where it reuses."""
+        old, self.keep = self.keep, keep
+        convert = keep.blocks is None and old.blocks is None and keep.image_only == old.image_only
         with self._lock:
             lanes = list(self._lanes)
         me = self.lane()
         for lane in lanes:
-            lane.at = {}
             for slot in lane.slots:
-                slot.kept, slot.on = {}, self.keeps(slot.index)
+                slot.kept = {who: {f: self._converted(*t) for f, t in by.items()}
+                             for who, by in slot.kept.items()} if convert else {}
+                slot.on = self.keeps(slot.index)
                 slot.cur = None if lane.who is None or not slot.on \
                     else slot.kept.setdefault(lane.who, {})
-            lane.refresh = lane.who is not None
             lane.active = lane.active and keep.blocks != 0
-            if lane.who is not None and lane is me:
-                lane.at[lane.who] = lane.step
+            if not convert:
+                lane.at, lane.refresh = {}, lane.who is not None
+                if lane.who is not None and lane is me:
+                    lane.at[lane.who] = lane.step
+
+    def _converted(self, r: torch.Tensor, slope: Any, at: Any) -> tuple:
+        """What is kept, (residual, slope, step), as ``keep`` keeps it (``set_keep``)."""
+        dt = self.keep.dtype
+        return kept_as(r, dt), None if slope is None or not self.keep.slope \
+            else kept_as(slope, dt), at
 
     @property
     def kept(self) -> dict[tuple, tuple]:
@@ -286,6 +307,5 @@ class Reuse:
             slope = torch.zeros_like(r) if kept is None else \
                 (r - kept[0].to(r.dtype)) / (lane.now - kept[2]).clamp(min=1)
         dt = self.keep.dtype
-        cur[factor] = (r if dt is None else r.to(dt),
-                       slope if slope is None or dt is None else slope.to(dt), lane.now)
+        cur[factor] = (kept_as(r, dt), None if slope is None else kept_as(slope, dt), lane.now)
         return f

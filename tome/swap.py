@@ -36,11 +36,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import kv, percall
+from . import budget, kv, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .modelpatcher import MARK
-from .report import PatchReport
+from .report import PatchReport, Unread
 
 SWAP = "attention swap"  # how this adapter reaches the blocks (``PatchReport.adapter``)
 KERNEL = ("backend.attention", "attention_function")  # the kernel Neo picked at import
@@ -179,6 +179,7 @@ class Swap(percall.Core, percall.Flags):
         self.block = 0  # this call's attention calls counted where the host names no block
         # this call's plans (a plan caches the call's embedding by identity: cleared per call)
         self.plans: dict[tuple, Any] = {}
+        self.read = Unread(layout.family)  # the family's ``spans``: raising passes through
 
     def __call__(self, apply_model: Callable, params: dict) -> Any:
         who = params.get("cond_or_uncond")
@@ -191,8 +192,8 @@ class Swap(percall.Core, percall.Flags):
             ) -> Any:
         """One model call with our functions in place of the points' globals (where it pools
         at this step), put back in ``finally`` whatever happens; ``who``: its identity."""
-        found = self.form.spans(self.model, x, c)
-        spans = None if found is None else kv.Spans(*found)
+        found = self.read(self.form.spans, self.model, x, c)
+        spans = None if found is None else self.read(kv.Spans, *found)
         state = None if spans is None else self.begin(spans, t, x.device, x.shape[0], who, x)
         saved: list[tuple[Any, str, Any]] = []
         before = self.block
@@ -228,6 +229,8 @@ def patch(unet_patcher: Any, layout: Any, form: Form, config: ToMeConfig,
     one it had, and the report (``adapters.patch_model_patcher`` chooses this form). Settings
     that pool nothing return the patcher unchanged with the report's ``nothing``."""
     swap = Swap(config, layout, form, percent_to_sigma, wrapper_of(unet_patcher))
+    if swap.budget is not None:  # the KModel casts the latent inside the call (issue 47)
+        swap.budget.compute = budget.compute_dtype(getattr(unet_patcher, "model", None))
     report = swap.report_as(SWAP)
     if report.nothing:
         return unet_patcher, report

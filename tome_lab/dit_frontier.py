@@ -13,9 +13,9 @@ in order with the same noise, so windows and residual reuse act as they do when 
 (``trajectory_loss``); its mean over the steps, relative to the unpooled model's.
 
 Residual reuse's memory: each row says what reuse held on the tiny DiT (``reuse keeps``), the
-``ladder`` rows run the quality preset with each step of ``memory.ladder`` (what the memory
+``ladder`` rows run the quality preset with each step of ``budget.ladder`` (what the memory
 budget keeps where everything does not fit, forced whatever the memory) and the preset's point
-without reuse; ``memory_table`` gives, by the estimator alone (``memory.reuse_bytes``; no
+without reuse; ``memory_table`` gives, by the estimator alone (``budget.reuse_bytes``; no
 such model runs on a CPU), what the presets keep on released models at full depth and size
 (Flux-dev at 1024 and 2048 px, Qwen-Image at 1328 px, Wan at 480p and 720p x 81 frames) and
 which ladder step the budget lands on with a 24 and an 80 GiB card's free memory.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import tome
-from tome import memory
+from tome import budget, memory
 from tome.config import without_reuse
 
 from . import dit_quality, quality, report
@@ -54,7 +54,7 @@ APPROACHES: dict[str, list[tuple[str, dict[str, Any]]]] = {
                                 for n in (3, 5, 10, 20)],
 }
 PRESETS = ("quality", "fast")
-#: The memory ladder on the quality preset: each step ``memory.ladder`` can take (float32:
+#: The memory ladder on the quality preset: each step ``budget.ladder`` can take (float32:
 #: the tiny DiT's), then the preset's point without reuse.
 LADDER = "ladder (quality)"
 
@@ -62,7 +62,7 @@ LADDER = "ladder (quality)"
 def ladder_settings() -> list[tuple[str, dict[str, Any]]]:
     config = tome.preset("quality", policy="fixed")
     rows = [(f"{LADDER}: keeps {keep.words()}", {"config": config, "keep": keep})
-            for keep in memory.ladder(torch.float32, "cpu")]
+            for keep in budget.ladder(torch.float32, "cpu")]
     return rows + [(f"{LADDER}: no reuse ({without_reuse(config).schedule})",
                     {"config": without_reuse(config)})]
 #: The grid's columns (labels as in the table).
@@ -174,14 +174,14 @@ def estimate(name: str, size: str, calls: int) -> dict[str, Any]:
     on a released model, per ladder step, and the step the budget lands on per card."""
     m, s = MODELS[name], Size.parse(size)
     tokens = s.tokens
-    parts = [memory.Part(i, tokens + m["text"], tokens, m["width"]) for i in range(m["blocks"])]
+    parts = [budget.Part(i, tokens + m["text"], tokens, m["width"]) for i in range(m["blocks"])]
     dtype = torch.bfloat16
-    steps = {k: memory.reuse_bytes(parts, calls, dtype, k) for k in memory.ladder(dtype)}
+    steps = {k: budget.reuse_bytes(parts, calls, dtype, k) for k in budget.ladder(dtype)}
     reserve = memory.ACTIVATION_COPIES * (tokens + m["text"]) * m["width"] * 2
     cards = {}
     for card in CARDS:
         free, words = card_free(card, m["params"])
-        keep, need = memory.fit(parts, calls, dtype, free, reserve)
+        keep, need = budget.fit(parts, calls, dtype, free, reserve)
         cards[card] = (keep, need, free, words)
     return {"model": name, "size": s.label, "calls": calls, "tokens": tokens,
             "steps": steps, "cards": cards}
@@ -191,7 +191,7 @@ def memory_table() -> str:
     """The presets' reuse memory on released models (the estimator alone) and where the
     budget lands on a 24 and an 80 GiB card."""
     rows = [estimate(*shape) for shape in SHAPES]
-    ladder = memory.ladder(torch.bfloat16)
+    ladder = budget.ladder(torch.bfloat16)
     head = ["model", "size", "calls/step", "image tokens"] + [k.words() for k in ladder] + [
         f"{c} GiB card" for c in CARDS]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -204,7 +204,7 @@ def memory_table() -> str:
                     else "no reuse")
             cells.append(f"{what}; {memory.amount(max(free, 0))} free ({words})")
         lines.append("| " + " | ".join(cells) + " |")
-    return ("Residual reuse's memory on released models (the estimator, `memory.reuse_bytes`, "
+    return ("Residual reuse's memory on released models (the estimator, `budget.reuse_bytes`, "
             "bf16; quality and fast keep the same: x8 in all blocks, one factor; calls/step 2: "
             "true CFG), per ladder step, and the step the budget lands on per card (free: the "
             "card less the transformer's weights and 1 GiB; the forward's activations "

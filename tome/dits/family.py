@@ -99,10 +99,13 @@ class Dit:
         return ()
 
     def coverage(self, report: Any) -> str:
-        """``2/4 blocks pooled (blocks all, rope pooled)``, whatever the adapter."""
+        """``2/4 blocks pooled (blocks all, rope pooled)``, whatever the adapter; a schedule
+        names its blocks itself (``runs``), so then only the rope: ``(rope before)``."""
         c = report.config
-        text = f"{report.patched_blocks}/{report.total_blocks} blocks pooled (blocks {c.blocks}"
-        return text + (f", rope {c.rope})" if report.rope else ")")
+        said = ([] if c.schedule.strip() else [f"blocks {c.blocks}"]) \
+            + ([f"rope {c.rope}"] if report.rope else [])
+        return f"{report.patched_blocks}/{report.total_blocks} blocks pooled" \
+            + (f" ({', '.join(said)})" if said else "")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from ..config import FIELDS, PRESETS, ToMeConfig, check_ratio, coerce, preset, unknown_names
+from ..config import (
+    FIELDS,
+    PRESETS,
+    ToMeConfig,
+    check_ratio,
+    coerce,
+    from_preset,
+    unknown_names,
+)
 
 # Set by the X/Y/Z plot's ToMe axes on a cell's copy of ``p``: {setting: value}.
 XYZ_ATTR = "_tome_xyz"
@@ -168,8 +176,9 @@ def from_dict(data: Mapping[str, Any]) -> ScriptSettings:
         # A disabled extension must never fail a generation, whatever else was sent.
         return ScriptSettings()
     key = preset_key(data.get("preset"))
-    config = ToMeConfig.from_dict({k: v for k, v in data.items() if k in FIELDS},
-                                  base=DEFAULT if key is None else preset(key))
+    fields = {k: v for k, v in data.items() if k in FIELDS}
+    config = ToMeConfig.from_dict(fields, base=DEFAULT) if key is None \
+        else from_preset(key, fields)  # a DiT preset's schedule takes blocks and the factor
     return ScriptSettings(
         enabled=True, config=config, preset=key,
         hires_only=to_bool("hires_only", data.get("hires_only", False)),

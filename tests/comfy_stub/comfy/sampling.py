@@ -188,7 +188,8 @@ def _paste(x, out):
     return full
 
 
-def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, area=None, **conds):
+def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, batched=False, area=None,
+               **conds):
     """A KSampler run (Euler, cfg 1: one model call per step) on a DiT behind ``patcher``, as
     ComfyUI 0.8.0 makes it (``CFGGuider``): the whole sampling (``outer_sample``) run inside
     the ``outer_sample`` wrappers, called as ``fn(executor, noise, latent_image, sampler,
@@ -208,11 +209,14 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, area=None,
     ``uuids`` (one per condition) and ``sigmas`` (this step's sigma per image), and
     ``model.apply_model(x, sigma, c_crossattn=context, transformer_options=..., **conds)``.
     ``cfg`` above 1: two calls per step, cond then uncond (``cond_or_uncond`` [0] and [1];
-    ``uncond`` the second context), mixed. ``area`` (h, w in latent pixels): the cond is
-    area conditioning (ComfyUI's ConditioningSetArea): its call gets the latent's top-left
-    crop and its output is pasted back over zeros (what ComfyUI's averaging gives where one
-    cond covers part of the image), so one step has two grids. The latent starts as
-    ``sigmas[0] * noise`` (an empty latent). Returns the final latent."""
+    ``uncond`` the second context), mixed; ``batched``: one call for both, as ComfyUI makes
+    it where its memory check lets it batch them: the chunks in its order, uncond first
+    (``cond_or_uncond`` [1, 0], one entry per chunk, ``uuids`` alike), latents, contexts and
+    tensor conditions concatenated, ``sigmas`` one chunk's. ``area`` (h, w in latent
+    pixels): the cond is area conditioning (ComfyUI's ConditioningSetArea): its call gets
+    the latent's top-left crop and its output is pasted back over zeros (what ComfyUI's
+    averaging gives where one cond covers part of the image), so one step has two grids. The
+    latent starts as ``sigmas[0] * noise`` (an empty latent). Returns the final latent."""
     import uuid as _uuid
     from types import SimpleNamespace
 
@@ -233,6 +237,17 @@ def dit_sample(patcher, noise, context, sigmas, cfg=1.0, uncond=None, area=None,
     def calc_cond_batch(model, contexts, x, sigma, model_options):
         patcher.prepare_state(sigma, model_options)
         outs = []
+        if batched and len(contexts) > 1:  # one call, the chunks uncond first
+            call = merge_nested_dicts({}, model_options["transformer_options"],
+                                      copy_dict1=False)
+            call["cond_or_uncond"], call["uuids"] = [1, 0], [uuids[1], uuids[0]]
+            call["sigmas"] = sigma
+            extra = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v
+                     for k, v in conds.items()}
+            out = model.apply_model(torch.cat([x, x]), torch.cat([sigma, sigma]),
+                                    c_crossattn=torch.cat(contexts[::-1]),
+                                    transformer_options=call, **extra)
+            return list(out.chunk(2))[::-1]
         for which, ctx in enumerate(contexts):
             call = merge_nested_dicts({}, model_options["transformer_options"],
                                       copy_dict1=False)

@@ -150,7 +150,7 @@ class IntegratedFluxTransformer2DModel(nn.Module):
         txt_ids = torch.zeros(b, context.shape[1], 3)
         pe = self.pe_embedder(torch.cat([txt_ids, img_ids], 1))
         img, txt = self.img_in(img), self.txt_in(context)
-        vec = self.time_in(timestep_embedding(timestep, 256))
+        vec = self.time_in(timestep_embedding(timestep, 256).to(img.dtype))
         if y is not None:
             vec = vec + self.vector_in(y)
         transformer_options["block_type"] = "double"
