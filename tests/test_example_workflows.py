@@ -25,7 +25,8 @@ EXPECTED = {"sd15_tome.json", "sdxl_hires_tome.json", "flux_dev_tome.json",
             "wan21_t2v_tome.json", "qwen_image_tome.json", "z_image_turbo_tome.json"}
 DITS = ("flux", "wan", "qwen", "z_image")
 
-SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "uni_pc", "res_multistep")  # a few of KSampler's choices
+# a few of KSampler's choices
+SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "uni_pc", "res_multistep")
 SCHEDULERS = ("normal", "karras", "simple", "sgm_uniform", "beta")
 # ComfyUI's core nodes the workflows use, from its public source (nodes.py, comfy_extras/):
 # (linked inputs with their types, widget inputs in order with the choices checked here or

@@ -1,9 +1,10 @@
 // The ToMe node in ComfyUI's graph editor (the pack's WEB_DIRECTORY, loaded by ComfyUI's
 // frontend). Two things the node's Python declaration cannot do in the classic canvas:
-// - fold the advanced inputs: the classic canvas (LiteGraph) hides a widget whose `advanced`
-//   is set while the node's `showAdvanced` is off (frontend 1.35 in ComfyUI 0.8.0, 1.48 in
-//   v0.30), but only Nodes 2.0 sets it from the input's "advanced" option; this sets it, and a
-//   button at the node's foot toggles them (the node's right-click menu has "Show Advanced" too).
+// - fold the advanced inputs: Nodes 2.0 folds the inputs marked "advanced" behind its own
+//   control, the classic canvas (frontend 1.35 in ComfyUI 0.8.0, 1.48 in v0.30) draws them all.
+//   Here they are hidden while the node's `showAdvanced` flag (the one Nodes 2.0 and the node's
+//   right-click "Show Advanced" use, saved with the workflow) is off, and a button at the
+//   node's foot toggles it.
 // - make a widget mean what it shows: choosing a preset fills the inputs with its values
 //   (recommended: the defaults, resolved per model when the node runs), so what the canvas shows
 //   is what runs; an input changed afterwards applies over the preset (tome/comfy/inputs.py).
@@ -43,22 +44,30 @@ function fill(node, preset) {
     node.setDirtyCanvas?.(true, true);
 }
 
+function vueNodes() {
+    return !!globalThis.LiteGraph?.vueNodesMode;
+}
+
 app.registerExtension({
     name: "tome.TokenMerging",
     nodeCreated(node) {
         if (node.comfyClass !== NODE) return;
         const advanced = new Set(TABLE.advanced);
         for (const widget of node.widgets ?? []) {
-            if (advanced.has(widget.name)) widget.advanced = true;
+            if (!advanced.has(widget.name)) continue;
+            widget.advanced = true;  // drawn with the frontend's advanced outline when shown
+            // The classic canvas lays out every widget not hidden, shown or not: fold them by
+            // \`hidden\`, read from the node's flag (so its "Show Advanced" menu item, this
+            // button and a saved workflow agree). Nodes 2.0 folds them itself.
+            Object.defineProperty(widget, "hidden", {
+                get: () => !node.showAdvanced && !vueNodes(), set: () => {}, configurable: true,
+            });
         }
+        // Nodes 2.0 reads options.hidden (its own control toggles the same flag)
         const button = node.addWidget("button", BUTTON, null, () => toggle(node, button),
-                                      { serialize: false });
+                                      { serialize: false, hidden: true });
         button.serialize = false;
         button.label = label(node);
-        // Nodes 2.0 draws its own "show advanced" control for the same flag
-        Object.defineProperty(button, "hidden", {
-            get: () => !!globalThis.LiteGraph?.vueNodesMode, set: () => {}, configurable: true,
-        });
         const preset = node.widgets.find((w) => w.name === "preset");
         if (preset) {
             const chosen = preset.callback;
