@@ -140,6 +140,16 @@ def test_a_dit_input_changed_under_the_default_preset_applies():
         ("downsample", "double:4", 5, "before")
 
 
+def test_a_dit_factor_under_a_schedule_says_the_schedule_sets_it():
+    filled = fresh(**{**inputs.PRESETS["quality"], "downsample_factor": 4})
+    assert inputs.preset_line(filled, "dit") == (
+        "ToMe: preset recommended is quality on this DiT; set on the node, over it: "
+        "downsample_factor 4 (on this DiT the preset's schedule all:8 sets the factors; preset "
+        "custom with an empty schedule uses downsample_factor)")
+    custom = inputs.config({**filled, "preset": "custom", "schedule": ""}, "dit")
+    assert (custom.schedule, custom.downsample_factor) == ("", 4)
+
+
 def test_the_values_a_preset_fills_in_are_the_preset():
     # what the frontend extension writes into the widgets when a preset is chosen (web/tome.js)
     for name, values in inputs.PRESETS.items():

@@ -145,6 +145,11 @@ def preset_line(values: dict[str, Any], kind: str = "unet") -> str | None:
     name = PER_KIND[kind] if key == RECOMMENDED else key
     changed = overrides({k: v for k, v in values.items() if k != "preset"}, preset(name))
     over = ", ".join(f"{k} {v}" for k, v in changed.items())
+    schedule = preset(name).schedule
+    if kind == "dit" and "downsample_factor" in changed and "schedule" not in changed \
+            and schedule:  # an empty schedule is the default, so it reads as the preset's
+        over += (f" (on this DiT the preset's schedule {schedule} sets the factors; preset "
+                 "custom with an empty schedule uses downsample_factor)")
     if key == RECOMMENDED:
         head = (f"ToMe: preset {RECOMMENDED} is {name} on this "
                 f"{'DiT' if kind == 'dit' else 'UNet'}")
