@@ -10,7 +10,8 @@ needed) and a Chromium (Debian's ``chromium`` package: ``/usr/bin/chromium``). F
 checks that no two node boxes overlap (title bar included), that the ToMe node shows the preset
 and its front inputs with the advanced ones folded, and that every widget it shows lies inside
 it; it saves ``<workflow>.png``. Then the node alone (folded and unfolded), a chosen preset
-filling the inputs, a saved node keeping its 21 widget values, and the same workflows in
+filling the inputs, a saved node keeping its 21 widget values, a graph saved before the folding
+opening folded, and the same workflows in
 Nodes 2.0 (DOM boxes, ``nodes2-<workflow>.png``). One line per check; exit status 1 if any
 failed. The lab's tool, not shipped with the pack.
 """
@@ -178,6 +179,23 @@ class Checker:
         ok = len(saved) == 21 and saved[0] == "fast" and saved[2] == 0.3
         self.say(ok, f"a saved node keeps its 21 widget values in order ({len(saved)} saved)")
 
+    def old_graph(self, path: Path) -> None:
+        """A graph saved before the folding (the node as high as its 21 inputs) opens folded,
+        at the folded height, its values kept."""
+        workflow = json.loads(path.read_text())
+        (node,) = [n for n in workflow["nodes"] if n["type"] == NODE]
+        node["size"] = [node["size"][0], 538]
+        self.load(workflow)
+        ours = [b for b in self.page.evaluate(BOXES) if b["type"] == NODE][0]
+        shown = sum(w["shown"] for w in ours["widgets"])
+        saved = self.page.evaluate("""(type) => {
+          const app = window.app ?? window.comfyAPI?.app?.app;
+          const n = (app.graph._nodes ?? app.graph.nodes).find((n) => n.type === type);
+          return n.serialize().widgets_values; }""", NODE)
+        ok = shown == 6 and ours["size"][1] == 178 and saved == node["widgets_values"]
+        self.say(ok, f"a graph saved before the folding opens folded: {shown} widgets, "
+                 f"{ours['size'][1]:.0f} px high, values kept: {saved == node['widgets_values']}")
+
     def nodes2(self, path: Path) -> None:
         self.load(json.loads(path.read_text()))
         rects = self.page.evaluate("""() => Array.from(
@@ -229,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             check.classic(path)
         check.node_alone()
         check.preset_fills()
+        check.old_graph(WORKFLOWS / "sd15_tome.json")
         if not args.no_nodes2:
             vue_nodes(page, True)
             for path in paths:

@@ -80,8 +80,10 @@ app.registerExtension({
         node.onConfigure = function (...args) {
             const out = configure?.apply(this, args);
             button.label = label(node);  // a saved workflow may have shown them
+            // a graph saved before the folding kept the node as high as every input: the node
+            // has no widget that grows, so its height is what it shows
             const size = node.computeSize();
-            node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+            node.setSize([Math.max(node.size[0], size[0]), size[1]]);
             return out;
         };
         fit(node);
