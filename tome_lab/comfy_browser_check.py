@@ -218,6 +218,8 @@ def vue_nodes(page, on: bool) -> None:
       await app.extensionManager.setting.set("Comfy.VueNodes.Enabled", on);
     }""", on)
     page.wait_for_timeout(1500)
+    page.keyboard.press("Escape")  # frontend 1.35 opens its template browser on the switch
+    page.wait_for_timeout(500)
 
 
 def main(argv: list[str] | None = None) -> int:

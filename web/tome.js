@@ -1,10 +1,10 @@
 // The ToMe node in ComfyUI's graph editor (the pack's WEB_DIRECTORY, loaded by ComfyUI's
 // frontend). Two things the node's Python declaration cannot do in the classic canvas:
-// - fold the advanced inputs: Nodes 2.0 folds the inputs marked "advanced" behind its own
-//   control, the classic canvas (frontend 1.35 in ComfyUI 0.8.0, 1.48 in v0.30) draws them all.
-//   Here they are hidden while the node's `showAdvanced` flag (the one Nodes 2.0 and the node's
-//   right-click "Show Advanced" use, saved with the workflow) is off, and a button at the
-//   node's foot toggles it.
+// - fold the advanced inputs: v0.30's Nodes 2.0 folds the inputs marked "advanced" behind its
+//   own control; the classic canvas (frontend 1.35 in ComfyUI 0.8.0, 1.48 in v0.30) and 0.8.0's
+//   Nodes 2.0 draw them all. Here they are hidden while the node's `showAdvanced` flag (the one
+//   Nodes 2.0 and the node's right-click "Show Advanced" use, saved with the workflow) is off,
+//   and a button at the node's foot toggles it.
 // - make a widget mean what it shows: choosing a preset fills the inputs with its values
 //   (recommended: the defaults, resolved per model when the node runs), so what the canvas shows
 //   is what runs; an input changed afterwards applies over the preset (tome/comfy/inputs.py).
@@ -33,6 +33,28 @@ function toggle(node, button) {
     else node.showAdvanced = !node.showAdvanced;
     button.label = label(node);
     fit(node);
+    // Nodes 2.0 without its own folding (frontend 1.35) redraws a node's widgets when the
+    // node's widget list is set again
+    if (vueNodes() && !nativeFold()) node.widgets = [...node.widgets];
+}
+
+function vueNodes() {
+    return !!globalThis.LiteGraph?.vueNodesMode;
+}
+
+// Nodes 2.0 folds advanced inputs itself where the frontend has this setting (1.48 in v0.30)
+function nativeFold() {
+    try {
+        return app.extensionManager?.setting?.get("Comfy.Node.AlwaysShowAdvancedWidgets")
+            !== undefined;
+    } catch {
+        return false;
+    }
+}
+
+function getter(target, name, get) {
+    Object.defineProperty(target, name, { get, set: () => {}, configurable: true,
+                                          enumerable: true });
 }
 
 function fill(node, preset) {
@@ -44,10 +66,6 @@ function fill(node, preset) {
     node.setDirtyCanvas?.(true, true);
 }
 
-function vueNodes() {
-    return !!globalThis.LiteGraph?.vueNodesMode;
-}
-
 app.registerExtension({
     name: "tome.TokenMerging",
     nodeCreated(node) {
@@ -57,16 +75,19 @@ app.registerExtension({
             if (!advanced.has(widget.name)) continue;
             widget.advanced = true;  // drawn with the frontend's advanced outline when shown
             // The classic canvas lays out every widget not hidden, shown or not: fold them by
-            // \`hidden\`, read from the node's flag (so its "Show Advanced" menu item, this
-            // button and a saved workflow agree). Nodes 2.0 folds them itself.
-            Object.defineProperty(widget, "hidden", {
-                get: () => !node.showAdvanced && !vueNodes(), set: () => {}, configurable: true,
-            });
+            // `hidden`, read from the node's flag (so its "Show Advanced" menu item, this
+            // button and a saved workflow agree). Nodes 2.0 reads options.hidden, and folds
+            // them itself where it can.
+            getter(widget, "hidden", () => !node.showAdvanced && !vueNodes());
+            widget.options ??= {};
+            getter(widget.options, "hidden",
+                   () => !node.showAdvanced && vueNodes() && !nativeFold());
         }
-        // Nodes 2.0 reads options.hidden (its own control toggles the same flag)
         const button = node.addWidget("button", BUTTON, null, () => toggle(node, button),
-                                      { serialize: false, hidden: true });
+                                      { serialize: false });
         button.serialize = false;
+        // where Nodes 2.0 has its own control for the same flag, the button is not drawn there
+        getter(button.options, "hidden", () => vueNodes() && nativeFold());
         button.label = label(node);
         const preset = node.widgets.find((w) => w.name === "preset");
         if (preset) {
