@@ -1,7 +1,8 @@
 """The ToMe node's inputs as a newcomer meets them (``tome/comfy/inputs.py``): the preset and the
-three inputs most users touch in front, every other input marked advanced, saved graphs kept
-(the inputs' order), and a default preset that suits the model kind, resolved when the node
-runs (against ``tests/comfy_stub``, ComfyUI 0.8.0's contract)."""
+four inputs most users touch in front, every other input marked advanced, saved graphs kept
+(the inputs' order), a default preset that suits the model kind, resolved when the node runs,
+and inputs that mean what they show: one set away from its default applies over the preset, the
+policy is always the input's (against ``tests/comfy_stub``, ComfyUI 0.8.0's contract)."""
 
 from __future__ import annotations
 
