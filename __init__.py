@@ -6,7 +6,7 @@ it on ``sys.path``, so the package ``tome`` next to this file is loaded by its p
 else of this repository becomes importable). A module named ``tome`` imported earlier from
 elsewhere (another node pack, or a pip package) is refused with a clear message instead of
 running someone else's code. The AUTOMATIC1111 WebUI never imports this file (its entry point is
-``scripts/token_merging.py``).
+``scripts/token_merging.py``); ComfyUI serves ``web/`` (``WEB_DIRECTORY``) to its frontend.
 """
 
 import importlib.util
@@ -40,4 +40,8 @@ _load_tome()
 
 from tome.comfy import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+# The frontend extension ComfyUI serves with the pack (web/tome.js: the node's advanced inputs
+# folded in the classic canvas, a chosen preset filling the inputs).
+WEB_DIRECTORY = "./web"
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

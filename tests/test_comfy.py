@@ -70,8 +70,9 @@ def test_inputs_come_from_the_config_metadata():
     assert spec["required"]["method"][0] == ["merge", "downsample"]
     assert spec["required"]["ratio"][1]["max"] <= 1 - 1 / 64
     assert inputs.config(defaults()) == ToMeConfig(policy="auto")
-    assert inputs.config(defaults(preset="fast", ratio=0.1, seed=7)).replace(seed=0) == \
-        preset("fast")  # the library's preset, whatever the other inputs say
+    assert inputs.config(defaults(preset="fast", seed=7)).replace(seed=0) == \
+        preset("fast")  # the library's preset where the inputs are left at their defaults
+    assert inputs.config(defaults(preset="fast", ratio=0.1)) == preset("fast", ratio=0.1)
     assert inputs.config(defaults(preset="fast", seed=7)).seed == 7
     # no "control after generate" widget: re-queueing must not change the destinations
     assert spec["required"]["seed"][1]["control_after_generate"] is False

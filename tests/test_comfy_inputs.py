@@ -1,7 +1,8 @@
 """The ToMe node's inputs as a newcomer meets them (``tome/comfy/inputs.py``): the preset and the
-three inputs most users touch in front, every other input marked advanced, saved graphs kept
-(the inputs' order), and a default preset that suits the model kind, resolved when the node
-runs (against ``tests/comfy_stub``, ComfyUI 0.8.0's contract)."""
+four inputs most users touch in front, every other input marked advanced, saved graphs kept
+(the inputs' order), a default preset that suits the model kind, resolved when the node runs,
+and inputs that mean what they show: one set away from its default applies over the preset, the
+policy is always the input's (against ``tests/comfy_stub``, ComfyUI 0.8.0's contract)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from comfy.sampling import comfy_blocks  # noqa: E402
 from models import TINY_SD15, ldm_unet  # noqa: E402
 
 from tome.comfy import inputs, nodes  # noqa: E402
-from tome.config import preset, without_reuse  # noqa: E402
+from tome.config import ToMeConfig, preset, without_reuse  # noqa: E402
 
 # The node's inputs in the order of every release so far: a saved UI workflow keeps its widget
 # values by position, so this order may only grow at its end.
@@ -99,13 +100,63 @@ def test_a_fresh_node_pools_a_dit_with_the_quality_preset(lines, applied):
     assert without_reuse(applied[0]).reuse == 0
 
 
-def test_presets_and_custom_are_as_before(applied):
-    nodes.ToMePatch().patch(unet(), **fresh(preset="fast", ratio=0.1, seed=7))
+def test_presets_at_their_defaults_and_custom_are_as_before(applied):
+    # a saved graph left at the defaults under a preset (every example, every node only given
+    # a preset) runs the preset, as before; custom runs the inputs as set
+    nodes.ToMePatch().patch(unet(), **fresh(preset="fast", seed=7))
     nodes.ToMePatch().patch(unet(), **fresh(preset="custom", ratio=0.25))
-    assert applied[0] == preset("fast", seed=7)  # a preset replaces the inputs but the seed
+    assert applied[0] == preset("fast", seed=7)
     assert (applied[1].method, applied[1].ratio, applied[1].policy) == ("merge", 0.25, "auto")
     with pytest.raises(ValueError, match="ToMe: unknown preset 'turbo'"):
         inputs.config(fresh(preset="turbo"))
+
+
+def test_a_front_input_changed_under_the_default_preset_applies(lines, applied):
+    # issue 52: under recommended, ratio/method/policy set on the canvas used to change nothing
+    nodes.ToMePatch().patch(unet(), **fresh(ratio=0.3))
+    nodes.ToMePatch().patch(unet(), **fresh(method="downsample", downsample_factor=3))
+    assert applied[0] == ToMeConfig(method="merge", ratio=0.3, policy="auto")
+    assert applied[1] == ToMeConfig(method="downsample", downsample_factor=3, ratio=0.5,
+                                    policy="auto")
+    assert lines[0] == "ToMe: preset recommended is balanced on this UNet; set on the node, " \
+                       "over it: ratio 0.3"
+    # an input set to the preset's own value is no change: the line names only real ones
+    assert inputs.preset_line(fresh(preset="quality", method="downsample")) is None
+    assert inputs.preset_line(fresh(preset="fast", ratio=0.1)) == \
+        "ToMe: preset fast; set on the node, over it: ratio 0.1"
+
+
+def test_the_policy_is_the_inputs_under_every_preset():
+    for name in (inputs.RECOMMENDED, *inputs.PRESETS):
+        assert inputs.config(fresh(preset=name, policy="fixed")).policy == "fixed"
+        assert inputs.config(fresh(preset=name, policy="fixed"), "dit").policy == "fixed"
+    assert inputs.config(fresh(preset="fast")).policy == "auto"
+
+
+def test_a_dit_input_changed_under_the_default_preset_applies():
+    # on a DiT, recommended is quality (x8 everywhere, reuse every 5): a schedule set on the
+    # node replaces its schedule, the rest of the preset stays
+    got = inputs.config(fresh(schedule="double:4"), "dit")
+    assert (got.method, got.schedule, got.reuse, got.rope) == \
+        ("downsample", "double:4", 5, "before")
+
+
+def test_a_dit_factor_under_a_schedule_says_the_schedule_sets_it():
+    filled = fresh(**{**inputs.PRESETS["quality"], "downsample_factor": 4})
+    assert inputs.preset_line(filled, "dit") == (
+        "ToMe: preset recommended is quality on this DiT; set on the node, over it: "
+        "downsample_factor 4 (on this DiT the preset's schedule all:8 sets the factors; preset "
+        "custom with an empty schedule uses downsample_factor)")
+    custom = inputs.config({**filled, "preset": "custom", "schedule": ""}, "dit")
+    assert (custom.schedule, custom.downsample_factor) == ("", 4)
+
+
+def test_the_values_a_preset_fills_in_are_the_preset():
+    # what the frontend extension writes into the widgets when a preset is chosen (web/tome.js)
+    for name, values in inputs.PRESETS.items():
+        filled = fresh(preset=name, **values)
+        assert inputs.config(filled) == preset(name)
+        assert inputs.preset_line(filled) is None
 
 
 def test_an_unreadable_model_passes_through_with_the_one_message(lines):

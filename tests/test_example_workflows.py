@@ -17,14 +17,16 @@ if STUB not in sys.path:
     sys.path.insert(0, STUB)
 
 from tome.comfy import inputs, nodes  # noqa: E402
-from tome.config import ToMeConfig  # noqa: E402
+from tome.config import preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "example_workflows"
 EXPECTED = {"sd15_tome.json", "sdxl_hires_tome.json", "flux_dev_tome.json",
-            "wan21_t2v_tome.json"}
+            "wan21_t2v_tome.json", "qwen_image_tome.json", "z_image_turbo_tome.json"}
+DITS = ("flux", "wan", "qwen", "z_image")
 
-SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "uni_pc")  # a few of KSampler's choices
+# a few of KSampler's choices
+SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "uni_pc", "res_multistep")
 SCHEDULERS = ("normal", "karras", "simple", "sgm_uniform", "beta")
 # ComfyUI's core nodes the workflows use, from its public source (nodes.py, comfy_extras/):
 # (linked inputs with their types, widget inputs in order with the choices checked here or
@@ -49,7 +51,7 @@ CORE = {
                                           "fp8_e5m2"))], ["MODEL"]),
     "DualCLIPLoader": ({}, [("clip_name1", None), ("clip_name2", None), ("type", ("flux",)),
                             ("device", ("default", "cpu"))], ["CLIP"]),
-    "CLIPLoader": ({}, [("clip_name", None), ("type", ("wan",)),
+    "CLIPLoader": ({}, [("clip_name", None), ("type", ("wan", "qwen_image", "lumina2")),
                         ("device", ("default", "cpu"))], ["CLIP"]),
     "VAELoader": ({}, [("vae_name", None)], ["VAE"]),
     "FluxGuidance": ({"conditioning": "CONDITIONING"}, [("guidance", None)], ["CONDITIONING"]),
@@ -57,6 +59,7 @@ CORE = {
     "EmptySD3LatentImage": ({}, [("width", None), ("height", None), ("batch_size", None)],
                             ["LATENT"]),
     "ModelSamplingSD3": ({"model": "MODEL"}, [("shift", None)], ["MODEL"]),
+    "ModelSamplingAuraFlow": ({"model": "MODEL"}, [("shift", None)], ["MODEL"]),
     "EmptyHunyuanLatentVideo": ({}, [("width", None), ("height", None), ("length", None),
                                      ("batch_size", None)], ["LATENT"]),
     "SaveAnimatedWEBP": ({"images": "IMAGE"},
@@ -110,7 +113,7 @@ def workflows():
     return sorted(FOLDER.glob("*.json"))
 
 
-def test_the_folder_ships_the_four_examples_where_comfyui_finds_them():
+def test_the_folder_ships_the_examples_where_comfyui_finds_them():
     # ComfyUI globs custom_nodes/*/example_workflows/*.json (app/custom_node_manager.py)
     assert {p.name for p in workflows()} == EXPECTED
     assert not (ROOT / "docs" / "comfyui-workflow.json").exists()  # replaced by these
@@ -143,7 +146,7 @@ def test_each_workflow_fits_the_nodes_it_names(path):
 
 
 @pytest.mark.parametrize("path", workflows(), ids=lambda p: p.stem)
-def test_the_tome_node_gets_every_input_in_range_and_the_recommended_preset(path):
+def test_the_tome_node_shows_what_runs(path):
     graph = to_api(json.loads(path.read_text()))
     (tome,) = [n for n in graph.values() if n["class_type"] == "ToMeTokenMerging"]
     spec = inputs.input_types()
@@ -157,12 +160,78 @@ def test_the_tome_node_gets_every_input_in_range_and_the_recommended_preset(path
             if isinstance(kind, list):
                 assert value in kind, name
     values = {k: v for k, v in tome["inputs"].items() if k != "model"}
-    assert values["preset"] == inputs.RECOMMENDED
-    assert inputs.config({**values, "preset": inputs.CUSTOM}) == ToMeConfig(policy="auto")
     model_from = graph[tome["inputs"]["model"][0]]["class_type"]
-    dit = path.stem.startswith(("flux", "wan"))
-    assert model_from == ("ModelSamplingSD3" if path.stem.startswith("wan") else
-                          "UNETLoader" if dit else "CheckpointLoaderSimple")
+    if path.stem.startswith(DITS):
+        # a DiT graph names the preset that runs there and shows its values (web/tome.js fills
+        # them in when the preset is chosen): recommended would show the UNet defaults (merge)
+        assert values["preset"] == "quality"
+        assert inputs.config(values, "dit") == preset("quality")
+        assert inputs.config({**values, "preset": inputs.CUSTOM}, "dit") == preset("quality")
+        before = ("UNETLoader" if path.stem.startswith("flux") else "ModelSamplingSD3"
+                  if path.stem.startswith("wan") else "ModelSamplingAuraFlow")
+        assert model_from == before
+    else:
+        # on a UNet, recommended is balanced, whose values are the node's defaults: shown as run
+        assert values["preset"] == inputs.RECOMMENDED
+        assert inputs.config(values) == preset("balanced")
+        assert inputs.config({**values, "preset": inputs.CUSTOM}) == preset("balanced")
+        assert model_from == "CheckpointLoaderSimple"
+
+
+# The node's size as ComfyUI's frontend computes it (LiteGraph's ``LGraphNode.computeSize``,
+# the same in frontend 1.35.9 of ComfyUI 0.8.0 and 1.48.7 of v0.30.0): the title bar
+# (NODE_TITLE_HEIGHT 30) is drawn above ``pos``; the body is one NODE_SLOT_HEIGHT (20) per row
+# of linked inputs or outputs (whichever are more; widget inputs have no row), then each
+# visible widget's height (NODE_WIDGET_HEIGHT 20) plus 4, plus 8 after the widgets, plus 6. A
+# node saved smaller is drawn at that size, so the boxes below take the larger of the two.
+TITLE, SLOT, WIDGET = 30, 20, 20
+
+
+def body_height(rows: int, widgets: int) -> int:
+    return max(rows, 1) * SLOT + (widgets * (WIDGET + 4) + 8 if widgets else 0) + 6
+
+
+def folded_widgets() -> int:
+    """The ToMe node's widgets in the default canvas: the preset and ``FRONT`` (web/tome.js
+    folds the rest) and the extension's show-advanced button."""
+    return 1 + len(inputs.FRONT) + 1
+
+
+def boxes(workflow: dict) -> dict[int, tuple[float, float, float, float]]:
+    out = {}
+    for node in workflow["nodes"]:
+        links, widgets, outputs = declared(node["type"])
+        if node["type"] == "ToMeTokenMerging":
+            shown = folded_widgets()
+        else:
+            shown = len(widgets) + sum(name.endswith("+") for name, _ in widgets)
+        height = max(node["size"][1], body_height(max(len(links), len(outputs)), shown))
+        x, y = node["pos"]
+        out[node["id"]] = (x, y - TITLE, x + node["size"][0], y + height)
+    return out
+
+
+def test_the_folded_node_is_the_size_the_frontend_computes():
+    # preset, method, ratio, downsample_factor, policy and the button: 20 + 6 * 24 + 8 + 6
+    assert folded_widgets() == 6 and body_height(1, folded_widgets()) == 178
+    # every input drawn (21 widgets, before the extension): 568 px with the title, as issue 54
+    # measured in the real v0.30.0 frontend
+    every = [name for part in inputs.input_types().values() for name in part if name != "model"]
+    assert TITLE + body_height(1, len(every)) == 568
+
+
+@pytest.mark.parametrize("path", workflows(), ids=lambda p: p.stem)
+def test_each_workflow_opens_without_overlapping_nodes(path):
+    wf = json.loads(path.read_text())
+    (tome,) = [n for n in wf["nodes"] if n["type"] == "ToMeTokenMerging"]
+    # saved at the folded size: neither cut (LiteGraph would grow it) nor padded
+    assert tome["size"][1] == body_height(1, folded_widgets())
+    assert "showAdvanced" not in tome  # folded on first open
+    placed = sorted(boxes(wf).items())
+    for i, (a, (ax0, ay0, ax1, ay1)) in enumerate(placed):
+        for b, (bx0, by0, bx1, by1) in placed[i + 1:]:
+            apart = ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0
+            assert apart, (path.name, a, b)
 
 
 def test_the_sdxl_workflow_merges_only_in_the_hires_pass():

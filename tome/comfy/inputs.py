@@ -7,9 +7,13 @@ numbers are outside ``min``/``max`` (HTTP 400 from ``/prompt``); what a range ca
 ratio's limit depends on the stride) is ``ToMeConfig``'s error when the node runs.
 
 In front: the preset and the inputs most users touch (``FRONT``); every other input carries
-``"advanced": True``, the option ComfyUI's own nodes use (its frontends fold such inputs away;
-one that does not know it shows them as before). The order of the inputs never changes: a saved
-graph keeps its widget values by position.
+``"advanced": True``, the option ComfyUI's own nodes use (Nodes 2.0 folds such inputs away; the
+classic canvas folds them through the pack's frontend extension, ``web/tome.js``). The order of
+the inputs never changes: a saved graph keeps its widget values by position.
+
+A widget means what it shows: under a preset, an input set away from its default applies over
+the preset (``config``), and choosing a preset on the canvas fills the inputs with its values
+(``web/tome.js``, from ``PRESETS``), so the canvas shows what runs.
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ ADVANCED = _ADVANCED + tuple(name for name in FIELDS
 # The inputs shown without unfolding the advanced ones (with the model and the preset).
 FRONT = ("method", "ratio", "downsample_factor", "policy")
 # What a preset leaves to the node: the seed of the random destinations.
-PRESET_KEEPS = ("seed",)
+# What a preset never sets: the seed of the random destinations and the policy (whether a level
+# is merged where it does not pay is the user's, whatever the settings).
+PRESET_KEEPS = ("seed", "policy")
 SEED_MAX = 0xFFFFFFFFFFFFFFFF  # as ComfyUI's samplers
 PRESET_HELP = ("Named settings (" + "; ".join(
-    f"{k}: " + ", ".join(f"{n} {v}" for n, v in values.items())
+    f"{k}: " + ", ".join(f"{n} {v}" for n, v in values.items() if n not in PRESET_KEEPS)
     for k, values in PRESETS.items()) + f"). {RECOMMENDED} (the default): "
-    f"{PER_KIND['unet']} on a UNet, {PER_KIND['dit']} on a DiT. A preset replaces every input "
-    "below except the seed; custom uses the inputs as set.")
+    f"{PER_KIND['unet']} on a UNet, {PER_KIND['dit']} on a DiT. Under a preset, an input set "
+    "away from its default applies over the preset (choosing a preset fills the inputs with its "
+    "values); the seed and the policy are always the inputs'; custom uses the inputs as set.")
 
 
 def spec(name: str) -> tuple:
@@ -100,13 +107,72 @@ def preset_name(values: dict[str, Any]) -> str:
 def config(values: dict[str, Any], kind: str = "unet") -> ToMeConfig:
     """The ``ToMeConfig`` of the node's values on a model of ``kind`` (``"unet"`` or ``"dit"``:
     what ``recommended`` resolves to), ``ValueError`` naming the setting otherwise. Unknown
-    names raise: a graph from another version of the pack says so."""
+    names raise: a graph from another version of the pack says so.
+
+    Under a preset, what the canvas shows runs: every input whose value is not the node's
+    default (``overrides``) applies over the preset, and the seed and policy are always the
+    inputs'. A node left at its defaults (every example workflow, every node added and only
+    given a preset) runs the preset as before."""
     values = dict(values)
     key = preset_name(values)
     values.pop("preset", None)
     if key == RECOMMENDED:
         key = PER_KIND[kind]
-    if key != CUSTOM:
-        kept = {k: values[k] for k in PRESET_KEEPS if k in values}
-        return ToMeConfig.from_dict(kept, base=preset(key))
-    return ToMeConfig.from_dict(values, base=DEFAULT)
+    if key == CUSTOM:
+        return ToMeConfig.from_dict(values, base=DEFAULT)
+    base = preset(key)
+    kept = {k: values[k] for k in PRESET_KEEPS if k in values}
+    return ToMeConfig.from_dict({**overrides(values, base), **kept}, base=base)
+
+
+def overrides(values: dict[str, Any], base: ToMeConfig | None = None) -> dict[str, Any]:
+    """The node's inputs set away from their defaults (what a user changed on the canvas),
+    without those the preset ``base`` already has and without ``PRESET_KEEPS``. A value is
+    compared as ``ToMeConfig`` reads it (``"auto"`` and None, 2 and 2.0 are the same)."""
+    check = ToMeConfig.from_dict({k: v for k, v in values.items() if k in FIELDS})
+    return {k: v for k, v in values.items()
+            if k in FIELDS and k not in PRESET_KEEPS
+            and getattr(check, k) != getattr(DEFAULT, k)
+            and (base is None or getattr(check, k) != getattr(base, k))}
+
+
+def preset_line(values: dict[str, Any], kind: str = "unet") -> str | None:
+    """The console line of a preset: what ``recommended`` is on this model, and which inputs
+    set on the node apply over the preset; None for custom, or a named preset as it is."""
+    key = preset_name(values)
+    if key == CUSTOM:
+        return None
+    name = PER_KIND[kind] if key == RECOMMENDED else key
+    changed = overrides({k: v for k, v in values.items() if k != "preset"}, preset(name))
+    over = ", ".join(f"{k} {v}" for k, v in changed.items())
+    schedule = preset(name).schedule
+    if kind == "dit" and "downsample_factor" in changed and "schedule" not in changed \
+            and schedule:  # an empty schedule is the default, so it reads as the preset's
+        over += (f" (on this DiT the preset's schedule {schedule} sets the factors; preset "
+                 "custom with an empty schedule uses downsample_factor)")
+    if key == RECOMMENDED:
+        head = (f"ToMe: preset {RECOMMENDED} is {name} on this "
+                f"{'DiT' if kind == 'dit' else 'UNet'}")
+        return head + (f"; set on the node, over it: {over}" if over
+                       else " (preset custom uses the node's inputs)")
+    return f"ToMe: preset {name}; set on the node, over it: {over}" if over else None
+
+
+def widget_value(name: str, value: Any) -> Any:
+    """``value`` as the node's widget shows it (a combo's choices are strings, None is auto)."""
+    if "choices" in FIELDS[name].metadata:
+        return AUTO if value is None else str(value)
+    return value
+
+
+def frontend_table() -> dict[str, Any]:
+    """What the frontend extension (``web/tome.js``, its ``TABLE`` line) needs: the widgets a
+    preset fills in when it is chosen (every input but ``PRESET_KEEPS``: the node's defaults for
+    ``recommended``, which resolves per model when the node runs; each named preset's values
+    over them), and the inputs folded as advanced."""
+    names = [n for n in (*MAIN, *ADVANCED) if n not in PRESET_KEEPS]
+    fills = {RECOMMENDED: {n: widget_value(n, getattr(DEFAULT, n)) for n in names}}
+    for key in PRESETS:
+        config = preset(key)
+        fills[key] = {n: widget_value(n, getattr(config, n)) for n in names}
+    return {"fills": fills, "advanced": [n for n in (*MAIN, *ADVANCED) if n not in FRONT]}

@@ -198,13 +198,17 @@ class ToMePatch:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
-    DESCRIPTION = ("Token Merging for SD1.x, SD2.x and SDXL UNets: each step is faster, the "
-                   "image changes a little. The input model is not changed. On Flux, "
-                   "Qwen-Image and Wan (through ComfyUI's attention override) method "
-                   "downsample pools the image keys/values; other DiTs pass through unchanged. "
-                   "start/end are fractions of the sampling, read in the model's own sigmas. "
-                   "To merge only in a second (hires) sampler, put this node only on that "
-                   "sampler's model.")
+    DESCRIPTION = ("Token Merging (ToMe) and ToDo: each step is faster, the image changes a "
+                   "little; the input model is not changed. SD1.x, SD2.x and SDXL UNets merge "
+                   "tokens (method merge) or pool keys/values (downsample). DiTs pool the image "
+                   "keys/values (downsample) through ComfyUI's attention override: Flux, "
+                   "Chroma, Flux 2, Qwen-Image, Wan, SD3/SD3.5, AuraFlow, HunyuanVideo, "
+                   "HunyuanImage, Lumina 2, Z-Image, LTX-Video, Cosmos, Kandinsky 5, "
+                   "CogVideoX, HiDream, Mochi, OmniGen2 (docs/comfyui.md). Preset recommended: "
+                   "balanced on a UNet, quality on a DiT; an input changed on the node applies "
+                   "over the preset. start/end are fractions of the sampling, read in the "
+                   "model's own sigmas. To merge only in a second (hires) sampler, put this "
+                   "node only on that sampler's model.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:  # noqa: N802 (ComfyUI's name)
@@ -213,10 +217,9 @@ class ToMePatch:
     def patch(self, model: Any, **values: Any) -> tuple[Any]:
         kind = model_kind(model)
         config = inputs.config(values, kind)
-        if inputs.preset_name(values) == inputs.RECOMMENDED:
-            host.console(f"ToMe: preset {inputs.RECOMMENDED} is {inputs.PER_KIND[kind]} on "
-                         f"this {'DiT' if kind == 'dit' else 'UNet'} (preset custom uses the "
-                         "node's inputs)")
+        line = inputs.preset_line(values, kind)
+        if line:
+            host.console(line)
         return (apply(model, config),)
 
 
