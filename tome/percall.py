@@ -96,6 +96,7 @@ class CallState(NamedTuple):
     proportional: bool
     reuse: Any = None
     parts: tuple = ()
+    grid: Any = None  # ``dit.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
 
     def position(self, block_type: Any, index: Any) -> int | None:
         """The block the host names (``block_type`` "double" or "single", ``block_index``)
@@ -133,16 +134,28 @@ _active: tuple[Any, CallState | None, Any] | None = None  # (owner, state, chain
 
 def now() -> tuple[Any, CallState | None, Any]:
     """``(owner, state, chained)`` of the current model call (Nones outside one)."""
-    active = _active
+    active = _traced(_active)
     return active if active is not None else (None, None, None)
 
 
 def current(owner: Any) -> tuple[CallState | None, Any]:
     """``(state, chained)`` of the current model call where ``owner`` made it current."""
-    active = _active
+    active = _traced(_active)
     if active is not None and active[0] is owner:
         return active[1], active[2]
     return None, None
+
+
+def _traced(active: Any) -> Any:
+    """``active`` as a compiled graph reads it: the grid's sizes from ``CallState.grid``'s
+    shape, which dynamo makes dynamic as it does the model's own sizes (its ints would be
+    guarded on: one graph per image size)."""
+    state = None if active is None else active[1]
+    if state is None or state.grid is None or not merge.compiling():
+        return active
+    s, (frames, h, w) = state.spans, state.grid.shape[:3]
+    spans = Spans(s.text, s.text_first, s.before, frames, h, w, s.after, s.cross)
+    return active[0], state._replace(spans=spans), active[2]
 
 
 @contextmanager
@@ -184,7 +197,7 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
     ``mask``: the call's own attention mask (keys on its last axis: a text mask), pooled
     along the keys as they are (``key_mask``), the bias added to it."""
     n = k.shape[dim]
-    p = cached_plan(plans, state.spans, f, rope, state.proportional)
+    p = dit.cached_plan(plans, state.spans, f, rope, state.proportional)
     if pe is not None:
         q = dit.rotate(q, pe)
         kp = p.keys(k, start, dim, pe, dit.rotate, lambda e: p.rotations(e, start))
@@ -224,20 +237,6 @@ def key_mask(p: dit.DitPlan, mask: torch.Tensor, start: int, dtype: torch.dtype
     elif mask.dim() == 3:
         mask = mask[:, None]
     return p.pool(mask, start, mask.dim() - 1)
-
-
-def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
-    """The plan of a call's grid at factor ``f``, kept in ``cache`` in eager mode (its pooled
-    positions and bias are built once; at most 32 kept), built in the graph while compiling
-    (a dict read would add guards)."""
-    if merge.compiling():
-        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    key = (s.frames, s.h, s.w, f, rope, proportional)
-    if key not in cache:
-        if len(cache) > 32:
-            cache.clear()
-        cache[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    return cache[key]
 
 
 # ----------------------------------------------------------------------------- one patch
@@ -371,7 +370,8 @@ class Core:
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
                                                                   spans.frames))
         return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
-                         reuse, self.parts if reuse is not None else ())
+                         reuse, self.parts if reuse is not None else (),
+                         dit.grid_tensor(spans.frames, spans.h, spans.w))
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import dit, dits, memory, policy
+from . import dit, dits, memory, merge, policy
 from . import plan as _plan
 from .config import ToMeConfig
-from .layout import Block, Layout
+from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
 
 
@@ -106,17 +106,23 @@ class _Hooks:
             n = policy.level_tokens(size, d.patch)
             st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
             if st.plan is not None and read and t is not None:
-                # The one host read of a call (as the planner's window), only where needed.
-                tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
-                st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
-                st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
-                if st.budget is not None:  # what reuse will keep, checked before it keeps it
-                    st.schedule = st.budget.begin(x, size, st.text, st.p)
+                _progress(st, x, size, t)
         st.push()
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.plan = None
         self.state.push()
+
+
+@merge.host_side
+def _progress(st: _State, x: torch.Tensor, size: Any, t: Any) -> None:
+    """The one host read of a call (as the planner's window), only where needed: the
+    progress, reuse's state and the memory budget (eager under a whole-model compile)."""
+    tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
+    st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
+    st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
+    if st.budget is not None:  # what reuse will keep, checked before it keeps it
+        st.schedule = st.budget.begin(x, size, st.text, st.p)
 
 
 # ----------------------------------------------------------------------------- processors
@@ -370,7 +376,8 @@ class Bracket:
     def reset(self) -> None:
         pipe = self.pipe()
         for name in ("transformer", "transformer_2"):
-            state = vars(getattr(pipe, name, None) or nn.Module()).get(STATE_ATTR)
+            module = uncompiled(getattr(pipe, name, None))  # a module's truth: its len()
+            state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
             if isinstance(state, _State):
                 state.reuse.reset()
 
