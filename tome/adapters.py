@@ -36,7 +36,7 @@ from . import (
 from .config import ToMeConfig
 from .dits.family import COMFYUI, FORGE_NEO
 from .handle import Callbacks, PatchHandle
-from .layout import Layout, read
+from .layout import Layout, read, uncompiled
 from .report import STATE_ATTR, PatchReport
 
 MODULES, MODEL_PATCHER = "modules", "model patcher"
@@ -93,7 +93,7 @@ def _experts(first: nn.Module, second: nn.Module) -> None:
 
 def _second(model: Any) -> nn.Module | None:
     """A diffusers pipeline's second transformer, or None."""
-    second = getattr(model, "transformer_2", None)
+    second = uncompiled(getattr(model, "transformer_2", None))
     return second if isinstance(second, nn.Module) and not isinstance(model, nn.Module) \
         else None
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import dit
+from . import dit, merge
 from .reuse import Keep, Reuse  # noqa: F401 (the adapters' and families' names for them)
 
 
@@ -130,15 +130,18 @@ MASK_BACKENDS = ("native", "_native_efficient", "_native_math", "_native_cudnn")
 
 def _backend(name: Any) -> tuple[bool, bool]:
     """Whether diffusers' attention backend ``name`` takes the bias as a mask, and a scale."""
+    if merge.compiling():  # not filled while tracing: the graph would guard on the cache
+        return _backend_of(name)
     if name not in _BACKENDS:
-        from diffusers.models.attention_dispatch import (
-            AttentionBackendName,
-            _AttentionBackendRegistry,
-        )
-        b = AttentionBackendName(name)
-        args = _AttentionBackendRegistry._supported_arg_names.get(b, ())
-        _BACKENDS[name] = (b.value in MASK_BACKENDS, "scale" in args)
+        _BACKENDS[name] = _backend_of(name)
     return _BACKENDS[name]
+
+
+def _backend_of(name: Any) -> tuple[bool, bool]:
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    b = AttentionBackendName(name)
+    args = _AttentionBackendRegistry._supported_arg_names.get(b, ())
+    return b.value in MASK_BACKENDS, "scale" in args
 
 
 def dispatch(original: Any):

@@ -79,8 +79,8 @@ def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int
 
 def pooled_tokens(h: int, w: int, factor: int, frames: int = 1, temporal: int = 1) -> int:
     """Image keys left after pooling a ``frames x h x w`` grid by ``factor`` (and
-    ``temporal``)."""
-    return (math.ceil(frames / temporal) * math.ceil(h / factor) * math.ceil(w / factor))
+    ``temporal``); integer ceilings, so a compiled graph's symbolic sizes stay symbolic."""
+    return -(-frames // temporal) * -(-h // factor) * -(-w // factor)
 
 
 def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, start: int, h: int, w: int,
@@ -125,9 +125,22 @@ def key_bias(start: int, total: int, h: int, w: int, factor: int, device: Any,
     cell; softmax would count it once, so against keys that are not pooled (a DiT's text, a
     partial edge cell) the image would lose attention mass ``factor**2``-fold. Built from
     Python ints (no device read), once per call."""
-    logs = [math.log(n) for n in cell_counts(h, w, factor, frames, temporal)]
     rest = total - start - frames * h * w
+    if merge.compiling():  # sizes may be symbolic: the same counts as tensor ops
+        return F.pad(_cell_logs(h, w, factor, frames, temporal, device), (start, rest)).to(dtype)
+    logs = [math.log(n) for n in cell_counts(h, w, factor, frames, temporal)]
     return torch.tensor([0.0] * start + logs + [0.0] * rest, device=device, dtype=dtype)
+
+
+def _cell_logs(h: int, w: int, factor: int, frames: int, temporal: int, device: Any
+               ) -> torch.Tensor:
+    """``log(cell_counts(...))`` built in a graph (float64, as ``math.log``): each axis's
+    cell lengths (``factor``, the last one shorter at an edge), their outer product."""
+    def lengths(n: int, f: int) -> torch.Tensor:
+        at = torch.arange(0, -(-n // f), device=device, dtype=torch.float64) * f
+        return (n - at).clamp(max=f)
+    t, r, c = lengths(frames, temporal), lengths(h, factor), lengths(w, factor)
+    return (t[:, None, None] * r[None, :, None] * c[None, None, :]).log().reshape(-1)
 
 
 def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
@@ -141,22 +154,44 @@ def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the method
 
+def grid_tensor(frames: int, h: int, w: int) -> torch.Tensor:
+    """An empty tensor (no storage) whose shape is a grid ``(frames, h, w, 0)``: how a plan
+    carries its sizes into a compiled graph (``DitPlan``)."""
+    return torch.empty((frames, h, w, 0))
+
+
 class DitPlan:
     """Pooling for one DiT call: the image grid (``frames x h x w``, frame-major; an image is
     one frame), the factor per side within a frame, the temporal factor (frames per cell: 1
     pools each frame on its own), the RoPE option and whether pooled keys get the
     proportional-attention bias."""
 
-    __slots__ = ("h", "w", "factor", "rope", "proportional", "frames", "temporal",
-                 "_positions", "_bias")
+    __slots__ = ("size", "factor", "rope", "proportional", "temporal", "_positions", "_bias")
 
     def __init__(self, h: int, w: int, factor: int, rope: str, proportional: bool = False,
-                 frames: int = 1, temporal: int = 1):
-        self.h, self.w, self.factor, self.rope = h, w, factor, rope
+                 frames: int = 1, temporal: int = 1, size: torch.Tensor | None = None):
+        # The grid is the shape of an empty tensor (``grid_tensor``), not Python ints: a
+        # compiled graph reads sizes from it as it reads the model's own tensors' sizes, so
+        # dynamo makes them dynamic after a second image size (automatic dynamic shapes)
+        # instead of guarding on each ``h == 16`` and recompiling per size.
+        self.size = grid_tensor(frames, h, w) if size is None else size
+        self.factor, self.rope = factor, rope
         self.proportional = proportional
-        self.frames, self.temporal = frames, temporal
+        self.temporal = temporal
         self._positions: tuple[Any, Any] = (None, None)
         self._bias: tuple[Any, Any] = (None, None)
+
+    @property
+    def frames(self) -> int:
+        return self.size.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.size.shape[1]
+
+    @property
+    def w(self) -> int:
+        return self.size.shape[2]
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -188,8 +223,8 @@ class DitPlan:
                               self.temporal)
 
     def with_factor(self, factor: int) -> DitPlan:
-        return DitPlan(self.h, self.w, factor, self.rope, self.proportional, self.frames,
-                       self.temporal)
+        return DitPlan(0, 0, factor, self.rope, self.proportional, temporal=self.temporal,
+                       size=self.size)
 
     @property
     def biased(self) -> bool:
@@ -234,6 +269,21 @@ class DitPlan:
         if self._positions[0] != key:
             self._positions = (key, pool(emb))
         return self._positions[1]
+
+
+def cached_plan(cache: dict, s: Any, f: int, rope: str, proportional: bool) -> DitPlan:
+    """The plan of a per-call grid ``s`` (``percall.Spans``) at factor ``f``, kept in
+    ``cache`` in eager mode (its pooled positions and bias are built once; at most 32 kept),
+    built in the graph while compiling (a dict read would add guards; ``s``'s sizes are
+    symbolic there: ``percall._traced``)."""
+    if merge.compiling():
+        return DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    key = (s.frames, s.h, s.w, f, rope, proportional)
+    if key not in cache:
+        if len(cache) > 32:
+            cache.clear()
+        cache[key] = DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+    return cache[key]
 
 
 def parse_blocks(text: str) -> tuple[str, int, int]:

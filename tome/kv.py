@@ -5,7 +5,7 @@ keys, the kernel (the host's, or an override chained), and residual reuse's guar
 
 ``step`` is that step on a plan; ``pool_call`` is it for a per-call host (ComfyUI's
 override, Forge Neo's swap: a ``CallState`` from ``Spans``, the plan cached per grid and
-factor); ``attend`` is it for a processor (diffusers, A1111's SD3: the family's maths hand
+factor: ``dit.cached_plan``); ``attend`` is it for a processor (diffusers, A1111's SD3: the family's maths hand
 the plan, the rotation and diffusers' kernel). ``Spans`` and ``CallState`` say where one
 model call's tokens sit and what it pools; ``key_start`` reads an attention call's lengths
 against them. The families' files call these; nothing here names a family or a host.
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import attend, dit, merge
+from . import attend, dit
 
 
 class Spans(NamedTuple):
@@ -62,6 +62,7 @@ class CallState(NamedTuple):
     proportional: bool
     reuse: Any = None
     parts: tuple = ()
+    grid: Any = None  # ``dit.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
 
     def position(self, block_type: Any, index: Any) -> int | None:
         """The block the host names (``block_type`` "double" or "single", ``block_index``)
@@ -189,7 +190,7 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
     ``plans``); ``pe``: a rotation embedding the host applies inside its function (the
     queries and keys are rotated here, keys per ``rope``, and the kernel passes none on);
     ``part``: the block's part where this call reuses residuals (``state.reuse``)."""
-    p = cached_plan(plans, state.spans, f, rope, state.proportional)
+    p = dit.cached_plan(plans, state.spans, f, rope, state.proportional)
     rotation = {} if pe is None else {"emb": pe, "rotate": dit.rotate,
                                       "positions": lambda e: p.rotations(e, start)}
     return step(p, start, q, k, v, dim, kernel, bias=bias, heads=heads, flat=flat, mask=mask,
@@ -226,17 +227,3 @@ def key_mask(p: dit.DitPlan, mask: torch.Tensor, start: int, dtype: torch.dtype
     elif mask.dim() == 3:
         mask = mask[:, None]
     return p.pool(mask, start, mask.dim() - 1)
-
-
-def cached_plan(cache: dict, s: Spans, f: int, rope: str, proportional: bool) -> dit.DitPlan:
-    """The plan of a call's grid at factor ``f``, kept in ``cache`` in eager mode (its pooled
-    positions and bias are built once; at most 32 kept), built in the graph while compiling
-    (a dict read would add guards)."""
-    if merge.compiling():
-        return dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    key = (s.frames, s.h, s.w, f, rope, proportional)
-    if key not in cache:
-        if len(cache) > 32:
-            cache.clear()
-        cache[key] = dit.DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    return cache[key]

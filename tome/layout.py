@@ -340,6 +340,7 @@ def denoiser(model: Any) -> nn.Module | None:
     """The denoising network inside ``model`` (a UNet or a DiT), or None."""
     if isinstance(model, Layout):
         return model.root
+    model = uncompiled(model)
     if isinstance(model, nn.Module) and _reader(model) is not None:
         return model
     for path in _DENOISERS:
@@ -347,8 +348,16 @@ def denoiser(model: Any) -> nn.Module | None:
         for name in path.split("."):
             obj = getattr(obj, name, None)
         if isinstance(obj, nn.Module):
-            return obj
+            return uncompiled(obj)
     return model if isinstance(model, nn.Module) else None
+
+
+def uncompiled(model: Any) -> Any:
+    """The module under a ``torch.compile``d one (its ``_orig_mod``: what a patch goes on
+    and comes off, whether the model was compiled before or after patching), else
+    ``model``."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, nn.Module) else None
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def read(model: Any) -> Layout:

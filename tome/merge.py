@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,16 @@ def random_cells(h: int, w: int, sx: int, sy: int, generator: torch.Generator) -
 
 
 _M32 = 0xFFFFFFFF
+
+
+def host_side(fn: Callable) -> Callable:
+    """``fn`` run eagerly even inside a ``torch.compile``d model (dynamo skips it): a patch's
+    per-call decisions (the step's progress, residual reuse's state, the memory budget) are
+    host work that reads Python state; traced, they would guard on it or break the trace."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(call) if disable is not None else call
 
 
 def compiling() -> bool:

@@ -90,7 +90,8 @@ def _tomesd_info(module: nn.Module) -> dict | None:
 
 def remove_tomesd(model: Any) -> bool:
     """Undo a tomesd patch in place (what ``tomesd.remove_patch`` does), without importing it."""
-    root = model if isinstance(model, nn.Module) else _layout.find_unet(model)
+    root = _layout.uncompiled(model) if isinstance(model, nn.Module) else \
+        _layout.find_unet(model)
     found = False
     for m in root.modules():
         info = _tomesd_info(m)
@@ -323,6 +324,7 @@ def remove(model: Any) -> Any:
 
 def patched_root(model: Any) -> nn.Module:
     """The module that carries our state: ``model`` itself if it does, else its UNet."""
+    model = _layout.uncompiled(model)
     return model if hasattr(model, STATE_ATTR) else _layout.find_unet(model)
 
 

@@ -63,16 +63,28 @@ _local = threading.local()  # .active: (owner, state, chained) of this thread's 
 
 def now() -> tuple[Any, CallState | None, Any]:
     """``(owner, state, chained)`` of the current model call (Nones outside one)."""
-    active = getattr(_local, "active", None)
+    active = _traced(getattr(_local, "active", None))
     return active if active is not None else (None, None, None)
 
 
 def current(owner: Any) -> tuple[CallState | None, Any]:
     """``(state, chained)`` of the current model call where ``owner`` made it current."""
-    active = getattr(_local, "active", None)
+    active = _traced(getattr(_local, "active", None))
     if active is not None and active[0] is owner:
         return active[1], active[2]
     return None, None
+
+
+def _traced(active: Any) -> Any:
+    """``active`` as a compiled graph reads it: the grid's sizes from ``CallState.grid``'s
+    shape, which dynamo makes dynamic as it does the model's own sizes (its ints would be
+    guarded on: one graph per image size)."""
+    state = None if active is None else active[1]
+    if state is None or state.grid is None or not merge.compiling():
+        return active
+    s, (frames, h, w) = state.spans, state.grid.shape[:3]
+    spans = Spans(s.text, s.text_first, s.before, frames, h, w, s.after, s.cross)
+    return active[0], state._replace(spans=spans), active[2]
 
 
 @contextmanager
@@ -242,7 +254,8 @@ class Core(Counts):
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
                                                                   spans.frames))
         return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
-                         reuse, reuse.parts() if reuse is not None else ())
+                         reuse, reuse.parts() if reuse is not None else (),
+                         dit.grid_tensor(spans.frames, spans.h, spans.w))
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,

@@ -29,7 +29,7 @@ from . import attend as _attend
 from . import brackets, budget, console, dit, dits, merge, percall, percall_calls, policy
 from . import plan as _plan
 from .config import ToMeConfig
-from .layout import Block, Layout
+from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
 
 
@@ -127,12 +127,7 @@ class _Hooks:
             n = policy.level_tokens(size, d.patch)
             st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
             if st.plan is not None and read and t is not None:
-                # The one host read of a call (as the planner's window), only where needed.
-                tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
-                st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
-                st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
-                if st.budget is not None:  # what reuse will keep, checked before it keeps it
-                    st.schedule = st.budget.begin(x, size, st.text, st.p)
+                _progress(st, x, size, t)
         st.push()
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
@@ -142,6 +137,17 @@ class _Hooks:
         st.push()
         if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
             st.count_call(st.flags, self.seen, self.placed, active)
+
+
+@merge.host_side
+def _progress(st: _State, x: torch.Tensor, size: Any, t: Any) -> None:
+    """The one host read of a call (as the planner's window), only where needed: the
+    progress, reuse's state and the memory budget (eager under a whole-model compile)."""
+    tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
+    st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
+    st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
+    if st.budget is not None:  # what reuse will keep, checked before it keeps it
+        st.schedule = st.budget.begin(x, size, st.text, st.p)
 
 
 # ----------------------------------------------------------------------------- processors
@@ -391,8 +397,7 @@ def _states(pipe: Any) -> list[_State]:
     found under a compiled module too."""
     found = []
     for name in ("transformer", "transformer_2"):
-        module = getattr(pipe, name, None)
-        module = getattr(module, "_orig_mod", module)  # compiled after patching
+        module = uncompiled(getattr(pipe, name, None))  # compiled after patching
         state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
         if isinstance(state, _State):
             found.append(state)

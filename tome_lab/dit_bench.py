@@ -476,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                          "below: the library's 5 after 1 warm-up)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny widths at small sizes, one round (seconds: a smoke test)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the shipped tiny DiT eager vs compiled by blocks (fullgraph), "
+                         "unpatched vs pooled x2, interleaved, graphs per size (dit_compile)")
+    ap.add_argument("--compile-sizes", default="32,48,64,96", help="pixels, for --compile")
+    ap.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)
     ap.add_argument("--device", choices=DEVICES, default="auto")
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                     help="auto: bf16 where native on a CPU (AMX, AVX512-BF16), fp16 on GPUs")
@@ -484,6 +489,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu: this thread's CPU time (with --threads 1 on a shared machine)")
     ap.add_argument("--out", default="out/dit_bench")
     args = ap.parse_args(argv)
+    if args.compile:
+        from tome_lab import dit_compile
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rows = dit_compile.run([int(v) for v in args.compile_sizes.split(",")],
+                               1 if args.quick else args.rounds, args.compile_backend)
+        print(dit_compile.table(rows), flush=True)
+        return 0
     images = [Size.parse(v) for v in ("256,512" if args.quick else args.sizes).split(",")]
     videos = [Size.parse(v) for v in ("64x48x5" if args.quick else args.video_sizes).split(",")]
     rounds = 1 if args.quick else args.rounds

@@ -1,0 +1,230 @@
+"""torch.compile as users run it, across image sizes, batch sizes and CFG (issue 48): diffusers'
+regional compilation (``compile_repeated_blocks(fullgraph=True)``) and a pipeline's transformer
+compiled whole on the shipped tiny DiT (a real diffusers ``FluxTransformer2DModel``), ComfyUI's
+TorchCompileModel (the stand-in in ``tests/comfy_stub``), and the UNet merge and ToDo.
+
+Dynamo runs with the ``eager`` backend (its guards and recompile limit, no code generation) and
+a ``CompileCounter``: graphs are counted, never timed. What is decided: a patched model needs
+no more graphs per new size than the unpatched model (the plan's grid reaches the graph as a
+tensor's shape: ``dit.DitPlan``, ``percall.CallState.grid``), the compiled output is the eager
+one, and a pipeline compiled after patching generates, and comes back unpatched, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import tome
+from tome_lab import tinydit
+from tome_lab.tinydit.model import TEXT_TOKENS, schedule
+
+# (image side in pixels, batch): six sizes and CFG's batch of 2, as a user sends them
+SIZES = [(32, 1), (48, 1), (32, 2), (64, 1), (40, 2), (56, 1), (24, 1), (72, 2)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tinydit.build_model().eval()
+
+
+def _euler(m, size, batch, steps=2):
+    x = torch.randn((1, 3, size, size), generator=torch.Generator().manual_seed(size))
+    x = x.expand(batch, -1, -1, -1)
+    cls = torch.tensor([1, 4][:batch])
+    ts = schedule(steps).tolist()
+    with torch.no_grad():
+        for t, t_next in zip(ts[:-1], ts[1:]):
+            x = x + (t_next - t) * m(x, torch.full((batch,), t), cls)
+    return x
+
+
+def _regional(m, sizes, **kw):
+    """Graphs compiled per (size, batch) with every block compiled ``fullgraph=True`` (a
+    recompile past dynamo's limit raises there), and the outputs."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    m.transformer.compile_repeated_blocks(fullgraph=True, backend=counter)
+    graphs, outs = [], []
+    try:
+        for size, batch in sizes:
+            before = counter.frame_count
+            outs.append(_euler(m, size, batch, **kw))
+            graphs.append(counter.frame_count - before)
+    finally:
+        torch._dynamo.reset()
+    return graphs, outs
+
+
+def test_regional_fullgraph_pools_every_size_and_cfg_with_the_graphs_of_the_unpatched(model):
+    """Plain x2 pooling, blocks compiled with ``fullgraph=True``: eight sizes and batches run
+    (before: the fifth raised ``FailOnRecompileLimitHit``: a graph per size, guarding on the
+    plan's ``h``), no size needs more graphs than the unpatched model's, none after the sizes
+    went dynamic, and each output is the eager patched one."""
+    plain, _ = _regional(copy.deepcopy(model), SIZES)
+    m = copy.deepcopy(model)
+    tome.apply_patch(m, method="downsample", downsample_factor=2)
+    eager = [_euler(m, s, b) for s, b in SIZES]
+    graphs, outs = _regional(m, SIZES)
+    assert graphs == plain, (graphs, plain)
+    assert sum(graphs[3:]) == 0
+    for got, want in zip(outs, eager):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_proportional_bias_in_a_graph_is_the_eager_bias():
+    """``key_bias`` built from symbolic sizes (tensor ops, while compiling) gives the eager
+    Python-built bias at edge cells, frames and temporal pooling, with no graph per size."""
+    from tome import dit
+    counter = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def bias(size):
+        return dit.DitPlan(0, 0, 4, "before", True, size=size).bias(3, 3 + size.shape[0] *
+                                                                     size.shape[1] *
+                                                                     size.shape[2] + 2, "cpu")
+    torch._dynamo.reset()
+    for frames, h, w in [(1, 8, 8), (1, 9, 14), (1, 13, 7), (2, 10, 6)]:
+        want = dit.key_bias(3, 3 + frames * h * w + 2, h, w, 4, "cpu", frames=frames)
+        torch.testing.assert_close(bias(dit.grid_tensor(frames, h, w)), want)
+    assert counter.frame_count <= 3  # static, dynamic, then frames above 1
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- a pipeline
+
+def _pipeline(m):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=None,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, transformer=m.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    cls = torch.tensor([3])
+    with torch.no_grad():
+        embeds = {"prompt_embeds": m.text(cls).view(1, TEXT_TOKENS, -1),
+                  "pooled_prompt_embeds": m.pooled(cls)}
+
+    def generate(size=96):
+        return pipe(**embeds, height=size, width=size, num_inference_steps=4,
+                    output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    return pipe, generate
+
+
+@pytest.mark.parametrize("order", ["patch, then compile", "compile, then patch"])
+def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, order):
+    """``pipe.transformer = torch.compile(pipe.transformer)`` after (or before) patching with
+    the quality preset: generations run (before: ``TypeError: ... does not support len()``
+    from the generation bracket, then dynamo tracing the memory budget's words) and give the
+    eager patched latents; ``remove_patch(pipe)`` finds the module under the compiled one
+    (before: ``UnsupportedModelError``, the bracket left on the pipeline) and the next
+    generation is the unpatched one, bit for bit."""
+    m = copy.deepcopy(model)
+    pipe, generate = _pipeline(m)
+    unpatched = generate()
+    config = tome.preset("quality", policy="fixed")
+    tome.apply_patch(pipe, config=config)
+    eager = generate()
+    tome.remove_patch(pipe)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    try:
+        if order == "patch, then compile":
+            tome.apply_patch(pipe, config=config)
+            pipe.transformer = torch.compile(pipe.transformer, backend=counter)
+        else:
+            pipe.transformer = torch.compile(pipe.transformer, backend=counter)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tome.apply_patch(pipe, config=config)
+        assert tome.is_patched(pipe)
+        compiled = generate()
+        assert counter.frame_count >= 1
+        tome.remove_patch(pipe)
+        assert not tome.is_patched(pipe) and "progress_bar" not in vars(pipe)
+        after = generate()
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager)
+    assert not torch.equal(eager, unpatched)
+    assert torch.equal(after, unpatched)
+
+
+# ----------------------------------------------------------------------------- ComfyUI
+
+STUB = str(Path(__file__).resolve().parent / "comfy_stub")
+RESOLUTIONS = [(16, 24), (24, 16), (16, 16), (24, 24), (32, 16), (16, 32), (32, 32), (40, 24)]
+
+
+def _comfy(config, latents):
+    """Graphs per resolution through TorchCompileModel's wrapper after the ToMe node, and the
+    latents; dynamo's recompile limit made an error, so a silent fallback to eager fails."""
+    if STUB not in sys.path:
+        sys.path.insert(0, STUB)
+    from comfy_api.torch_helpers import set_torch_compile_wrapper, skip_torch_compile_dict
+    from test_compose import dit_model, sample
+
+    from tome.comfy import nodes
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    base = dit_model()
+    eager = nodes.ToMePatch().patch(base, **config)[0]
+    model = nodes.ToMePatch().patch(base, **config)[0].clone()
+    set_torch_compile_wrapper(model, counter, options={"guard_filter_fn": skip_torch_compile_dict})
+    graphs = []
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for h, w in latents:
+                before = counter.frame_count
+                got = sample(model, steps=4, latent=(1, 4, h, w))
+                graphs.append(counter.frame_count - before)
+                torch.testing.assert_close(got, sample(eager, steps=4, latent=(1, 4, h, w)))
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def test_comfy_torch_compile_model_stays_compiled_across_eight_resolutions():
+    """TorchCompileModel after the node, pooling without reuse: eight resolutions, two graphs
+    in all (the second where sizes become dynamic; before: one per resolution, then eager
+    after the eighth), each sampling the eager latent."""
+    from comfy_node import defaults
+    from test_compose import REUSE
+    graphs = _comfy(defaults(**{**REUSE, "reuse": 0}), RESOLUTIONS)
+    assert sum(graphs) <= 2 and sum(graphs[2:]) == 0, graphs
+
+
+# ----------------------------------------------------------------------------- UNets
+
+@pytest.mark.parametrize("method", ["merge", "downsample"])
+def test_unet_merge_and_todo_compile_across_sizes(method):
+    """The UNet merge and ToDo compiled whole (``fullgraph=True``) at four latent sizes: no
+    recompile past dynamo's limit (an error with fullgraph), no graph once sizes are dynamic,
+    and the eager outputs."""
+    from models import ldm_inputs, ldm_unet
+    unet = ldm_unet()
+    tome.apply_patch(unet, ratio=0.5, method=method, policy="fixed")
+    sizes = [(16, 16), (24, 16), (16, 32), (32, 24)]
+    eager = []
+    with torch.no_grad():
+        for h, w in sizes:
+            eager.append(unet(*ldm_inputs(1, h, w, seed=h + w)))
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(unet, fullgraph=True, backend=counter)
+        graphs = []
+        try:
+            for (h, w), want in zip(sizes, eager):
+                before = counter.frame_count
+                torch.testing.assert_close(fn(*ldm_inputs(1, h, w, seed=h + w)), want)
+                graphs.append(counter.frame_count - before)
+        finally:
+            torch._dynamo.reset()
+            tome.remove_patch(unet)
+    assert sum(graphs[2:]) == 0, graphs
