@@ -5,10 +5,11 @@ keys, the kernel (the host's, or an override chained), and residual reuse's guar
 
 ``step`` is that step on a plan; ``pool_call`` is it for a per-call host (ComfyUI's
 override, Forge Neo's swap: a ``CallState`` from ``Spans``, the plan cached per grid and
-factor: ``dit.cached_plan``); ``attend`` is it for a processor (diffusers, A1111's SD3: the family's maths hand
-the plan, the rotation and diffusers' kernel). ``Spans`` and ``CallState`` say where one
-model call's tokens sit and what it pools; ``key_start`` reads an attention call's lengths
-against them. The families' files call these; nothing here names a family or a host.
+factor: ``dit.cached_plan``); ``attend_plan`` is it for a processor (diffusers, A1111's SD3:
+the family's maths hand the plan, the rotation and diffusers' kernel). ``Spans`` and
+``CallState`` say where one model call's tokens sit and what it pools; ``key_start`` reads
+an attention call's lengths against them. The families' files call these; nothing here
+names a family or a host.
 """
 
 from __future__ import annotations

@@ -96,9 +96,10 @@ class Counts:
 def record(source: Any, outcome: str | None) -> None:
     """One attention call reached a processors patch (``source``: its state; measuring's
     fixed sources count nothing): ``fired``, ``pooled`` where ``outcome`` is, and the
-    outcome tallied (None: not an attention call of its own, e.g. SD3's context half)."""
+    outcome tallied (None: not an attention call of its own, e.g. SD3's context half).
+    Eager calls only: a compiled block's calls are the model call's "not counted"."""
     flags = getattr(source, "flags", None)
-    if flags is None:
+    if flags is None or compiling():  # a compiled block writes nothing (its keys: guards)
         return
     flags["fired"] = True
     if outcome == POOLED:

@@ -136,6 +136,8 @@ class _Hooks:
         st.plan = None
         st.push()
         if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
+            if not st.flags.get("fired"):  # compiled blocks record nothing: replayed calls
+                st.flags.update(fired=True, pooled=active)
             st.count_call(st.flags, self.seen, self.placed, active)
 
 
