@@ -1,7 +1,7 @@
 """torch.compile as users run it, across image sizes, batch sizes and CFG (issue 48): diffusers'
 regional compilation (``compile_repeated_blocks(fullgraph=True)``) and a pipeline's transformer
-compiled whole on the shipped tiny DiT (a real diffusers ``FluxTransformer2DModel``), ComfyUI's
-TorchCompileModel (the stand-in in ``tests/comfy_stub``), and the UNet merge and ToDo.
+compiled whole on the shipped tiny DiT (a real diffusers ``FluxTransformer2DModel``), and
+ComfyUI's TorchCompileModel (the stand-in in ``tests/comfy_stub``).
 
 Dynamo runs with the ``eager`` backend (its guards and recompile limit, no code generation) and
 a ``CompileCounter``: graphs are counted, never timed. What is decided: a patched model needs
@@ -198,33 +198,3 @@ def test_comfy_torch_compile_model_stays_compiled_across_eight_resolutions():
     from test_compose import REUSE
     graphs = _comfy(defaults(**{**REUSE, "reuse": 0}), RESOLUTIONS)
     assert sum(graphs) <= 2 and sum(graphs[2:]) == 0, graphs
-
-
-# ----------------------------------------------------------------------------- UNets
-
-@pytest.mark.parametrize("method", ["merge", "downsample"])
-def test_unet_merge_and_todo_compile_across_sizes(method):
-    """The UNet merge and ToDo compiled whole (``fullgraph=True``) at four latent sizes: no
-    recompile past dynamo's limit (an error with fullgraph), no graph once sizes are dynamic,
-    and the eager outputs."""
-    from models import ldm_inputs, ldm_unet
-    unet = ldm_unet()
-    tome.apply_patch(unet, ratio=0.5, method=method, policy="fixed")
-    sizes = [(16, 16), (24, 16), (16, 32), (32, 24)]
-    eager = []
-    with torch.no_grad():
-        for h, w in sizes:
-            eager.append(unet(*ldm_inputs(1, h, w, seed=h + w)))
-        torch._dynamo.reset()
-        counter = torch._dynamo.testing.CompileCounter()
-        fn = torch.compile(unet, fullgraph=True, backend=counter)
-        graphs = []
-        try:
-            for (h, w), want in zip(sizes, eager):
-                before = counter.frame_count
-                torch.testing.assert_close(fn(*ldm_inputs(1, h, w, seed=h + w)), want)
-                graphs.append(counter.frame_count - before)
-        finally:
-            torch._dynamo.reset()
-            tome.remove_patch(unet)
-    assert sum(graphs[2:]) == 0, graphs

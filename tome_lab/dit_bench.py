@@ -493,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         from tome_lab import dit_compile
         if args.threads:
             torch.set_num_threads(args.threads)
+        device = pick_device(args.device)
         rows = dit_compile.run([int(v) for v in args.compile_sizes.split(",")],
-                               1 if args.quick else args.rounds, args.compile_backend)
+                               1 if args.quick else args.rounds, args.compile_backend,
+                               device=device, sync=lambda: timing.synchronize(device))
         print(dit_compile.table(rows), flush=True)
         return 0
     images = [Size.parse(v) for v in ("256,512" if args.quick else args.sizes).split(",")]

@@ -17,35 +17,36 @@ from typing import Any
 VARIANTS = ("unpatched", "patched")
 
 
-def _model(patched: bool, config: Any) -> Any:
+def _model(patched: bool, config: Any, device: Any = "cpu") -> Any:
     import tome
     from tome_lab import tinydit
-    m = tinydit.load_model()
+    m = tinydit.load_model().to(device)
     if patched:
         tome.apply_patch(m, config=config)
     return m
 
 
 def run(sizes: list[int], rounds: int = 5, backend: str = "inductor", config: Any = None,
-        say: Any = print) -> list[dict[str, Any]]:
+        say: Any = print, device: Any = "cpu", sync: Any = lambda: None) -> list[dict[str, Any]]:
     """Per size (pixels) and variant: eager and compiled ms per model call (median of the
     interleaved rounds), the compiled speed-up, and the graphs that size compiled."""
     import torch._dynamo.testing
 
     import tome
     config = config or tome.ToMeConfig(method="downsample", downsample_factor=2)
-    eager = {v: _model(v == "patched", config) for v in VARIANTS}
+    eager = {v: _model(v == "patched", config, device) for v in VARIANTS}
     compiled, counters = {}, {}
     torch._dynamo.reset()
     for v in VARIANTS:
-        compiled[v] = copy.deepcopy(eager[v]) if v == "unpatched" else _model(True, config)
+        compiled[v] = copy.deepcopy(eager[v]) if v == "unpatched" else _model(True, config,
+                                                                             device)
         counters[v] = torch._dynamo.testing.CompileCounterWithBackend(backend)
         compiled[v].transformer.compile_repeated_blocks(fullgraph=True, backend=counters[v])
     rows = []
     for size in sizes:
         g = torch.Generator().manual_seed(size)
-        x, t, c = torch.randn(1, 3, size, size, generator=g), torch.full((1,), 0.7), \
-            torch.tensor([1])
+        x = torch.randn(1, 3, size, size, generator=g).to(device)
+        t, c = torch.full((1,), 0.7, device=device), torch.tensor([1], device=device)
         graphs = {}
         with torch.no_grad():
             for v in VARIANTS:  # the compile itself, untimed (twice: a size's first call
@@ -57,8 +58,10 @@ def run(sizes: list[int], rounds: int = 5, backend: str = "inductor", config: An
             for _ in range(rounds):
                 for v in VARIANTS:
                     for kind, m in (("eager", eager[v]), ("compiled", compiled[v])):
+                        sync()
                         t0 = time.perf_counter()
                         m(x, t, c)
+                        sync()
                         times.setdefault((v, kind), []).append(time.perf_counter() - t0)
         for v in VARIANTS:
             e, k = (statistics.median(times[(v, kind)]) * 1e3 for kind in ("eager", "compiled"))
