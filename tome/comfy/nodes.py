@@ -19,8 +19,9 @@ from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
 
 CATEGORY = "model_patches/unet"
-DIFFUSION_MODEL = "diffusion_model"  # ComfyUI's WrappersMP.DIFFUSION_MODEL
-OUTER_SAMPLE = "outer_sample"  # ComfyUI's WrappersMP.OUTER_SAMPLE: around a whole sampling
+# ComfyUI's WrappersMP kinds (around a UNet call; around a whole sampling), read from the
+# loaded ComfyUI at use (``adapters.comfy_name``): a renamed kind cannot drop our wrappers
+DIFFUSION_MODEL, OUTER_SAMPLE = ("WrappersMP", "DIFFUSION_MODEL"), ("WrappersMP", "OUTER_SAMPLE")
 GUARD_KEY = "tome"
 PASSES = "the model passes through unchanged"
 IGNORED = ("merge_crossattn", "merge_mlp")  # the patcher reaches only self-attention
@@ -144,7 +145,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         adapters.strip_merging(base)
         if hasattr(base, "remove_wrappers_with_key"):  # its guard and report: ours replace them
             for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
-                base.remove_wrappers_with_key(kind, GUARD_KEY)
+                base.remove_wrappers_with_key(adapters.comfy_name(*kind), GUARD_KEY)
         what = "an earlier ToMe node's patch" if ours else ""
         if foreign:
             what += (" and " if what else "") + "ComfyUI's built-in TomePatchModel"
@@ -175,9 +176,10 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if not report.planner.window.full:
         guard.window = report.planner.window
     if (patch is None or not patch.per_call) and hasattr(clone, "add_wrapper_with_key"):
-        clone.add_wrapper_with_key(DIFFUSION_MODEL, GUARD_KEY, guard)
+        clone.add_wrapper_with_key(adapters.comfy_name(*DIFFUSION_MODEL), GUARD_KEY, guard)
     if patch is not None and hasattr(clone, "add_wrapper_with_key"):
-        clone.add_wrapper_with_key(OUTER_SAMPLE, GUARD_KEY, AfterSampling(patch, guard, say))
+        clone.add_wrapper_with_key(adapters.comfy_name(*OUTER_SAMPLE), GUARD_KEY,
+                                   AfterSampling(patch, guard, say))
     if config.policy == "auto":
         report.planner.on_decided = lambda size, decisions: say(
             f"ToMe auto: {policy.summary(decisions, size)}")
