@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent / "comfy_stub"))
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingFlux, simple_sigmas  # noqa: E402
 from comfy.sampling import dit_sample  # noqa: E402
-from comfy_node import defaults  # noqa: E402
+from comfy_node import defaults, flux_key_lengths  # noqa: E402
 
 import tome  # noqa: E402
 from tome import adapters  # noqa: E402
@@ -51,28 +51,13 @@ def sample(patcher, steps=10, seed=0, **kw):
         return dit_sample(patcher, noise, ctx, sigmas, cfg=2.0, uncond=uncond, **kw)
 
 
-def key_lengths(monkeypatch):
-    """The key lengths each attention call hands ComfyUI's backend."""
-    import comfy.ldm.flux.math
-    from comfy.ldm.modules import attention as comfy_attention
-    seen = []
-
-    @comfy_attention.wrap_attn
-    def attention_pytorch(q, k, v, heads, mask=None, **kw):
-        seen.append(k.shape[2 if kw.get("skip_reshape") else 1])
-        return comfy_attention.attention_pytorch.__wrapped__(q, k, v, heads, mask, **kw)
-
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention_pytorch)
-    return seen
-
-
 def test_area_conditionings_two_grids_keep_their_own_residuals(monkeypatch):
     """Area conditioning (the cond on a 12x16 crop, the uncond on the whole 16x24 latent):
     each grid is its own identity, refreshed at steps 0 and 5 of 10 as the settings say; a
     grid change used to count as a new generation, so every call refreshed (10 of 10 steps
     ran the full attention too: more attention work than without ToMe)."""
     (ours,) = nodes.ToMePatch().patch(flux(), **defaults(**REUSE))
-    seen = key_lengths(monkeypatch)
+    seen = flux_key_lengths(monkeypatch)
     out = sample(ours, area=(12, 16))
     blocks = 4  # the stand-in Flux's double + single blocks
     text, crop, whole = 5, 6 * 8, 8 * 12

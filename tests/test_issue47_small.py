@@ -26,6 +26,7 @@ from comfy.model_base import BaseModel  # noqa: E402
 from comfy.model_patcher import ModelPatcher  # noqa: E402
 from comfy.model_sampling import ModelSamplingFlux, simple_sigmas  # noqa: E402
 from comfy.sampling import dit_sample  # noqa: E402
+from comfy_node import flux_key_lengths  # noqa: E402
 
 from tome import adapters, attend, budget, memory, override  # noqa: E402
 from tome.comfy import nodes  # noqa: E402
@@ -156,16 +157,7 @@ def _full_calls(monkeypatch):
     """How many attention calls reached the backend with the whole 101 keys (a refresh's
     unpooled attention; quality pools every block at x8: 7 keys): the backend as Flux's
     blocks reach it, behind ComfyUI's attention override."""
-    import comfy.ldm.flux.math
-    from comfy.ldm.modules import attention as comfy_attention
-    seen = []
-
-    @comfy_attention.wrap_attn
-    def attention_pytorch(q, k, v, heads, mask=None, **kw):
-        seen.append(k.shape[2 if kw.get("skip_reshape") else 1])
-        return comfy_attention.attention_pytorch.__wrapped__(q, k, v, heads, mask, **kw)
-
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention_pytorch)
+    seen = flux_key_lengths(monkeypatch)
     return lambda: sum(n == TEXT + IMAGE for n in seen)
 
 
