@@ -235,7 +235,7 @@ def test_blocks_setting_picks_the_blocks(flux):
 
 @pytest.mark.parametrize("settings, named", [
     ({"blocks": "9-12"}, "blocks='9-12'"),
-    ({"schedule": "7:4,single:2@0.5-1", "blocks": "double"}, "schedule='7:4,single:2@0.5-1'"),
+    ({"schedule": "7:4,single:2@0.5-1"}, "schedule='7:4,single:2@0.5-1'"),
 ])
 def test_settings_naming_no_block_install_nothing_and_say_so(sd3, settings, named):
     """SD3 has two joint blocks: ``9-12`` or a schedule of block 7 and single-stream blocks

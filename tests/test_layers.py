@@ -18,6 +18,7 @@ LAYERS = [
     ("tome.requirements", "tome.console", "tome.brackets"),
     ("tome.merge",),
     ("tome.methods",),
+    ("tome.schedule",),  # the DiT schedule: which factor pools which block when
     ("tome.dit",),      # the DiT form of the downsample method (pure tensor code)
     ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
     ("tome.attend",),   # attention over pooled keys: the bias per kernel
