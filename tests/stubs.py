@@ -9,12 +9,14 @@
 - ``FluxLike``: a DiT whose blocks never call the attn1 patches;
 - ``FakeClock``, ``fake_clock``: measuring clocks that answer per phase
   (``measure.PHASES``);
-- ``compiles_like_eager``: a function compiled in one graph gives its eager answer.
+- ``compiles_like_eager``: a function compiled in one graph gives its eager answer;
+- ``tiny_flux_pipeline``: the real diffusers ``FluxPipeline`` around the tiny DiT.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -176,3 +178,20 @@ def compiles_like_eager(fn, *args) -> None:
     with torch.no_grad():
         out, ref = compiled(*args), fn(*args)
     torch.testing.assert_close(out[0], ref[0])
+
+
+def tiny_flux_pipeline(m: Any) -> tuple[Any, dict]:
+    """The real diffusers ``FluxPipeline`` around the tiny DiT ``m``'s transformer (no VAE,
+    no text encoders; progress bar off) and class 3's prompt embeddings to call it with."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from tome_lab.tinydit.model import TEXT_TOKENS
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=None,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, transformer=m.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    cls = torch.tensor([3])
+    with torch.no_grad():
+        embeds = {"prompt_embeds": m.text(cls).view(1, TEXT_TOKENS, -1),
+                  "pooled_prompt_embeds": m.pooled(cls)}
+    return pipe, embeds

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.testing
+from stubs import tiny_flux_pipeline
 
 import tome
 from tome_lab import tinydit
-from tome_lab.tinydit.model import TEXT_TOKENS, schedule
+from tome_lab.tinydit.model import schedule
 
 # (image side in pixels, batch): six sizes and CFG's batch of 2, as a user sends them
 SIZES = [(32, 1), (48, 1), (32, 2), (64, 1), (40, 2), (56, 1), (24, 1), (72, 2)]
@@ -101,15 +102,7 @@ def test_the_proportional_bias_in_a_graph_is_the_eager_bias():
 # ----------------------------------------------------------------------------- a pipeline
 
 def _pipeline(m):
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=None,
-                        text_encoder=None, tokenizer=None, text_encoder_2=None,
-                        tokenizer_2=None, transformer=m.transformer)
-    pipe.set_progress_bar_config(disable=True)
-    cls = torch.tensor([3])
-    with torch.no_grad():
-        embeds = {"prompt_embeds": m.text(cls).view(1, TEXT_TOKENS, -1),
-                  "pooled_prompt_embeds": m.pooled(cls)}
+    pipe, embeds = tiny_flux_pipeline(m)
 
     def generate(size=96):
         return pipe(**embeds, height=size, width=size, num_inference_steps=4,

@@ -17,11 +17,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from stubs import tiny_flux_pipeline
 
 import tome
 from tome import config, processors
 from tome_lab import tinydit
-from tome_lab.tinydit.model import NULL, TEXT_TOKENS, schedule
+from tome_lab.tinydit.model import NULL, schedule
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +124,7 @@ def test_a_generation_stopped_early_leaves_nothing_to_a_transposed_image_startin
 
 
 def _pipeline(m):
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=None,
-                        text_encoder=None, tokenizer=None, text_encoder_2=None,
-                        tokenizer_2=None, transformer=m.transformer)
-    pipe.set_progress_bar_config(disable=True)
-    cls = torch.tensor([3])
-    with torch.no_grad():
-        embeds = {"prompt_embeds": m.text(cls).view(1, TEXT_TOKENS, -1),
-                  "pooled_prompt_embeds": m.pooled(cls)}
+    pipe, embeds = tiny_flux_pipeline(m)
 
     def generate(steps=6, sigmas=None, seed=0, callback=None):
         return pipe(**embeds, height=128, width=128, num_inference_steps=steps, sigmas=sigmas,

@@ -120,8 +120,6 @@ def note(skipped: list, block: Any, why: str) -> None:
         skipped.append((block, why))
 
 
-# ----------------------------------------------------------------------------- one attention call
-
 # ----------------------------------------------------------------------------- one patch
 
 class Core(Counts):

@@ -32,7 +32,7 @@ class Counts:
     NO_CALLS = "no model call went through its apply_model wrapper"
 
     def __init__(self, family: str):
-        self.family = family
+        self.family_name = family  # (a processors state's ``family`` is the Family)
         self.skipped: list[tuple[Any, str]] = []
         self.calls = self.fired = self.installed = 0  # model calls / that reached our
         # attention / that ran with it installed
@@ -82,7 +82,7 @@ class Counts:
         elif not fired:
             why = self.NEVER_CALLED
         elif not placed:
-            why = (f"{self.family} cannot place this model's tokens (its latent or text "
+            why = (f"{self.family_name} cannot place this model's tokens (its latent or text "
                    "is not laid out as that family's are)")
         elif not active:
             why = "no step was pooled by the settings (the step window or the auto policy)"
