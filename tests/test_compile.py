@@ -64,18 +64,43 @@ def _regional(m, sizes, **kw):
     return graphs, outs
 
 
-def test_regional_fullgraph_pools_every_size_and_cfg_with_the_graphs_of_the_unpatched(model):
+@pytest.fixture(scope="module")
+def plain(model):
+    """Graphs per size and batch of the unpatched model, compiled the same way."""
+    return _regional(copy.deepcopy(model), SIZES)[0]
+
+
+def test_regional_fullgraph_pools_every_size_and_cfg_with_the_graphs_of_the_unpatched(model,
+                                                                                      plain):
     """Plain x2 pooling, blocks compiled with ``fullgraph=True``: eight sizes and batches run
     (before: the fifth raised ``FailOnRecompileLimitHit``: a graph per size, guarding on the
     plan's ``h``), no size needs more graphs than the unpatched model's, none after the sizes
     went dynamic, and each output is the eager patched one."""
-    plain, _ = _regional(copy.deepcopy(model), SIZES)
     m = copy.deepcopy(model)
     tome.apply_patch(m, method="downsample", downsample_factor=2)
     eager = [_euler(m, s, b) for s, b in SIZES]
     graphs, outs = _regional(m, SIZES)
     assert graphs == plain, (graphs, plain)
     assert sum(graphs[3:]) == 0
+    for got, want in zip(outs, eager):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name, changes", [("quality", {}), ("fast", {}),
+                                           ("quality", {"start": 0.2, "end": 0.8})],
+                         ids=["quality", "fast", "quality, window"])
+def test_regional_fullgraph_runs_the_reuse_presets_at_every_size(model, plain, name, changes):
+    """The DiT presets (residual reuse every 5 or 10 steps), blocks compiled ``fullgraph``,
+    six steps per size, so a refresh, the reuse after it and (quality) a second refresh run at
+    each: every size and CFG's batch run (before: the second size raised
+    ``FailOnRecompileLimitHit``, reuse's states nothing-kept, refresh and reuse each a graph
+    per size), with the graphs of the unpatched model, and the eager patched outputs."""
+    m = copy.deepcopy(model)
+    tome.apply_patch(m, config=tome.preset(name, policy="fixed", **changes))
+    eager = [_euler(m, s, b, steps=6) for s, b in SIZES]  # each size starts anew: progress
+    graphs, outs = _regional(m, SIZES, steps=6)
+    print("graphs", name, changes, graphs, "plain", plain)
+    assert graphs == plain, (graphs, plain)
     for got, want in zip(outs, eager):
         torch.testing.assert_close(got, want)
 

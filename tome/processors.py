@@ -135,6 +135,8 @@ class _Hooks:
         active = st.plan is not None
         st.plan = None
         st.push()
+        if st.reuse.every:
+            st.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
         if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
             if not st.flags.get("fired"):  # compiled blocks record nothing: replayed calls
                 st.flags.update(fired=True, pooled=active)

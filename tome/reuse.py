@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from . import merge
+
 
 @dataclass(frozen=True)
 class Keep:
@@ -47,6 +49,36 @@ def kept_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return (t.clamp(-top, top) if top < torch.finfo(t.dtype).max else t).to(dtype)
 
 
+class _Eager:
+    """Compiled code run eagerly while any thread's call refreshes
+    (``torch.compiler.set_stance("force_eager")``, torch >= 2.6; before, nothing changes).
+    A refresh also runs the unpooled attention and writes what is kept: compiled, it would be
+    a graph of its own per size for every block (nothing kept yet, refresh, reuse: dynamo's
+    recompile limit of 8 came at the second size). Eager, the graphs see reuse's one state,
+    1 call in N, and need no more graphs per size than the unpatched model. Process-wide and
+    counted (the stance is the process's): the first refresh enters, the last leaves."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth, self.held = threading.Lock(), 0, None
+
+    def enter(self) -> None:
+        with self.lock:
+            set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+            if set_stance is not None and self.depth == 0:
+                self.held = set_stance("force_eager")  # set now; leaving restores the stance
+            self.depth += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.depth = max(self.depth - 1, 0)
+            if self.depth == 0 and self.held is not None:
+                held, self.held = self.held, None
+                held.__exit__(None, None, None)
+
+
+EAGER = _Eager()
+
+
 class Slot:
     """One block part's residuals in one thread's generation (a ``Lane``'s): what ``Reuse``
     keeps for it (identity -> factor -> (r, slope, at)) and, during a call, this call's
@@ -72,7 +104,10 @@ class Lane:
         self.slots = tuple(Slot(i, reuse.keeps(i), self) for i in reuse.indices)
         self.reset()
 
+    eager = False  # this lane holds ``EAGER`` (a refreshing call, until ``Reuse.end``)
+
     def reset(self) -> None:
+        self.leave()
         for slot in self.slots:
             slot.kept, slot.cur = {}, None
         self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
@@ -82,6 +117,11 @@ class Lane:
         self.before: int | None = None      # its last refresh before this call (``missed``)
         self.active = self.refresh = False
         self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
+
+    def leave(self) -> None:
+        if self.eager:
+            self.eager = False
+            EAGER.leave()
 
 
 class Reuse:
@@ -107,9 +147,9 @@ class Reuse:
 
     Compiled blocks (``torch.compile``, fullgraph): everything a block reads is decided on
     the host before the call (``begin``: the lane's ``active``, ``refresh``, the step as a
-    0-dim tensor ``now`` on the call's device, each slot's ``cur``), so a block's graph guards
-    on a few flags only (nothing kept yet, refresh, reuse) and steps and identities do not
-    recompile."""
+    0-dim tensor ``now`` on the call's device, each slot's ``cur``), and a refreshing call
+    runs eagerly (``_Eager``; its bracket calls ``end``), so a compiled block only ever sees
+    reuse's one state: steps, identities and refreshes do not recompile."""
 
     def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
         self.every, self.keep, self.extrapolate = every, keep, extrapolate
@@ -218,6 +258,7 @@ class Reuse:
         in its schedule), so steps a cache answered without calling the model still count;
         else the noise levels seen are counted."""
         lane = self.lane()
+        lane.leave()  # a call that raised before its end
         lane.who, lane.active = None, False
         for slot in lane.slots:
             slot.cur = None
@@ -239,6 +280,17 @@ class Reuse:
         for slot in lane.slots:
             slot.cur = slot.kept.setdefault(who, {}) if slot.on else None
         lane.active = True
+        if lane.refresh:  # compiled blocks see one state (``_Eager``)
+            lane.eager = True
+            EAGER.enter()
+
+    @merge.host_side
+    def end(self) -> None:
+        """This thread's model call ended (its bracket's exit): compiled code runs compiled
+        again where no other thread's call refreshes (eager inside a compiled model)."""
+        lane = getattr(self._local, "lane", None)
+        if lane is not None:
+            lane.leave()
 
     def missed(self) -> None:
         """This call was to refresh but ran no pooled attention (a cache answered it inside
