@@ -99,6 +99,7 @@ class _Hooks:
     def __init__(self, state: _State):
         self.state = state
 
+    @merge.host_side  # eager in a model compiled whole: its Python ints never guard a graph
     def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         st = self.state
         st.plan = None
@@ -130,6 +131,7 @@ class _Hooks:
                 _progress(st, x, size, t)
         st.push()
 
+    @merge.host_side
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         st = self.state
         active = st.plan is not None
