@@ -1,0 +1,176 @@
+"""One rank of a two-rank check under diffusers' context parallelism (run by ``torchrun
+--nproc_per_node 2``, gloo, the CPU; ``tests/test_parallel.py`` starts it): a random
+``FluxTransformer2DModel`` called in one process, unpatched and pooled, then under
+``enable_parallelism``; rank 0 writes what it found as JSON to ``argv[1]``.
+
+What it finds: the pooled output under Ulysses against the one-process pooled output (the
+patch applied before or after ``enable_parallelism``), and after removal against the
+unpatched one, with the bytes each rank sends per attention call and the seconds per model
+call (``argv[2:4]``: the grid, 8x8 tokens by default); the ValueError's message where a grid's
+cells straddle the shards (at the first call) and where ``ulysses_anything`` is asked (at
+apply_patch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import tome
+
+# enable_parallelism builds its device from the accelerator (torch._C._get_accelerator(),
+# then ``rank % torch.accelerator.device_count()``): on a CPU-only torch that is "cpu" with a
+# count of 0, so the count is one here (the ranks share the CPU).
+torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+
+HEADS, DIM, TEXT = 4, 8, 8
+
+
+class Wire:
+    """Bytes this rank sends in collectives inside the model's attention modules (funcol's
+    all_to_all_single and all_gather_tensor, torch.distributed's all_gather), per kind: an
+    all-to-all sends all but its own part, a gather its whole tensor."""
+
+    def __init__(self):
+        self.sent: dict[str, int] = {}
+        self.on = False
+
+    def wrap(self, owner, name):
+        original = getattr(owner, name)
+
+        def counted(x, *args, **kwargs):
+            t = x if isinstance(x, torch.Tensor) else args[0]
+            if self.on:
+                n = t.numel() * t.element_size()
+                if name == "all_to_all_single":
+                    n -= n // dist.get_world_size()
+                self.sent[name] = self.sent.get(name, 0) + n
+            return original(x, *args, **kwargs)
+        setattr(owner, name, counted)
+
+    def attach(self, m):
+        """Count inside ``m``'s attention modules only (not the output's gather)."""
+        for name, sub in m.named_modules():
+            if name.endswith(".attn"):
+                sub.register_forward_pre_hook(lambda *a: setattr(self, "on", True))
+                sub.register_forward_hook(lambda *a: setattr(self, "on", False))
+        return m
+
+
+def lse_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+           enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    """A stand-in for an attention kernel that returns the log-sum-exp Ring merges with
+    (flash-attn's, cuDNN's on a GPU; diffusers' native CPU op returns none): attention
+    written out, ``[B, S, H, D]`` in and out, the LSE as ``[B, S, H]``."""
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+    s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if attn_mask is not None:
+        s = s + attn_mask
+    lse = s.logsumexp(-1)
+    out = ((s - lse[..., None]).exp() @ v).permute(0, 2, 1, 3)
+    return (out, lse.permute(0, 2, 1)) if return_lse else out
+
+
+def model():
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1,
+                                  num_single_layers=1, attention_head_dim=DIM,
+                                  num_attention_heads=HEADS, joint_attention_dim=16,
+                                  pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)).eval()
+
+
+def inputs(h: int, w: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(h * w, 3)
+    ids[:, 1] = torch.arange(h).repeat_interleave(w)
+    ids[:, 2] = torch.arange(w).repeat(h)
+    return {"hidden_states": torch.randn(1, h * w, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, TEXT, 16, generator=g),
+            "pooled_projections": torch.randn(1, 8, generator=g),
+            "timestep": torch.tensor([0.5]), "img_ids": ids, "txt_ids": torch.zeros(TEXT, 3),
+            "return_dict": False}
+
+
+def run(m, kw, wire=None, rounds=1):
+    with torch.no_grad():
+        if wire is not None:
+            wire.sent = {}
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            out = m(**kw)[0]
+        took = (time.perf_counter() - t0) / rounds
+    return out, took
+
+
+def parallel(m, **cp):
+    from diffusers import ContextParallelConfig
+    m.enable_parallelism(config=ContextParallelConfig(**cp))
+    return m
+
+
+POOL = {"method": "downsample", "downsample_factor": 2, "proportional": True, "measure": False}
+
+
+def degrees(found: dict, h: int, w: int, wire: Wire, rounds: int) -> None:
+    """Ulysses (diffusers' native kernel) and Ring (``lse_op`` standing in for a kernel with
+    a log-sum-exp) against the one-process outputs: pooled, then after removal."""
+    from diffusers.models import attention_dispatch
+    kw = inputs(h, w)
+    whole, _ = run(model(), kw)
+    pooled, _ = run(tome.apply_patch(model(), **POOL), kw)
+    found["pooling"] = (pooled - whole).abs().max().item()
+    calls = 2  # a double-stream and a single-stream block: two attention calls per model call
+    for name, cp in (("ulysses", {"ulysses_degree": 2}), ("ring", {"ring_degree": 2})):
+        if name == "ring":
+            attention_dispatch._native_attention_forward_op = lse_op
+        for order in ("patch first", "parallel first"):
+            m = wire.attach(model())
+            if order == "patch first":
+                m = parallel(tome.apply_patch(m, **POOL), **cp)
+            else:
+                m = tome.apply_patch(parallel(m, **cp), **POOL)
+            for state, ref in (("pooled", pooled), ("removed", whole)):
+                out, took = run(m, kw, wire, rounds)
+                found[f"{name}, {order}, {state}"] = {
+                    "error": (out - ref).abs().max().item(), "s": took,
+                    "bytes": {k: v // rounds // calls for k, v in wire.sent.items()}}
+                tome.remove_patch(m)
+
+
+def refused(case: str) -> str | None:
+    """The ValueError's message where ToMe refuses ``case``, or None."""
+    try:
+        if case == "straddle":  # 6 rows in two shards of 3: 2x2 cells straddle them
+            m = tome.apply_patch(parallel(model(), ulysses_degree=2), **POOL)
+            run(m, inputs(6, 4))
+        else:
+            tome.apply_patch(parallel(model(), ulysses_degree=2, ulysses_anything=True), **POOL)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    import torch.distributed._functional_collectives as funcol
+    wire = Wire()
+    for owner, name in ((funcol, "all_to_all_single"), (funcol, "all_gather_tensor"),
+                        (dist, "all_gather"), (dist, "all_to_all_single")):
+        wire.wrap(owner, name)
+    found: dict = {}
+    h, w = (int(x) for x in sys.argv[2:4]) if len(sys.argv) > 3 else (8, 8)
+    degrees(found, h, w, wire, int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    for case in ("straddle", "anything"):
+        found[case] = refused(case)
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(found, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
