@@ -129,22 +129,23 @@ def forwarded(name: str) -> property:
 
 # ----------------------------------------------------------------------------- other hosts
 
-# Sequence-parallel hosts whose attention never reaches ToMe's patch point: (module that
-# marks it, the one line). ComfyUI's own MultiGPU CFG Split clones the model per device and
-# runs each clone's override in its worker thread: it pools as one GPU does.
+# Sequence-parallel hosts whose attention never reaches ToMe's patch point: (the module that
+# marks one loaded, why). ComfyUI's own MultiGPU CFG Split clones the model per device and
+# runs each clone in its own worker thread, the override and all: it pools as one GPU does.
+# xDiT's diffusers pipelines put their own processors (xFuser...AttnProcessor) on the blocks:
+# the report names those blocks skipped, as any processor ToMe does not reproduce.
 HOSTS = (
-    ("raylight", "ToMe: not pooled under raylight: its sequence-parallel forward calls "
-                 "xfuser's attention without transformer_options, so the attention override "
-                 "never runs"),
-    ("xfuser", "ToMe: not pooled under xDiT: its sequence-parallel attention "
-               "(xFuserLongContextAttention) replaces the model's own"),
-    ("para_attn", "ToMe: not pooled under ParaAttention: its context-parallel attention "
-                  "runs in a TorchFunctionMode around the model's SDPA"),
+    ("raylight", "under raylight: its sequence-parallel blocks call xfuser's attention "
+                 "without transformer_options, so the attention override never runs"),
+    ("para_attn", "under ParaAttention: its context-parallel forward hands each block a "
+                  "shard of the sequence ToMe's grid does not describe"),
+    ("xfuser", "under xDiT: its sequence-parallel attention replaces the model's own"),
 )
 
 
 def host_line(modules: Any = None) -> str | None:
-    """The one line for a loaded sequence-parallel host ToMe passes through, or None."""
+    """Why nothing pooled where a sequence-parallel host ToMe passes through is loaded
+    (``percall_calls.Counts.not_pooled``), or None."""
     loaded = sys.modules if modules is None else modules
-    return next((why for name, why in HOSTS if any(
-        m == name or m.startswith(name + ".") or f".{name}" in m for m in loaded)), None)
+    return next((why for name, why in HOSTS
+                 if any(name in m.split(".") for m in list(loaded))), None)

@@ -1,0 +1,176 @@
+"""Pooling beyond one GPU (issue 51): diffusers' context parallelism on two CPU ranks over
+gloo (``tests/parallel_ranks.py`` under ``torchrun``, once for the module), refusals and the
+hosts passed through in process.
+
+Before: patched first, ``enable_parallelism`` set its config on ToMe's wrappers, so every
+call (pooled or not, even after removal) attended over its own shard alone (4.6e-02 off);
+enabled first, the pooled maths met a shard shorter than the plan's grid and every block
+ran unpooled while the patch said it pooled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tome
+from tome import parallel
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACT = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What the two ranks found (one ``torchrun`` for the module: a few seconds of work,
+    most of the wall time the ranks' imports)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists():
+        pytest.skip("torchrun is not available")
+    out = tmp_path_factory.mktemp("ranks") / "found.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "tests" / "parallel_ranks.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("degree", ["ulysses", "ring"])
+@pytest.mark.parametrize("order", ["patch first", "parallel first"])
+def test_two_ranks_pool_as_one_process(ranks, degree, order):
+    """Ulysses (diffusers' native kernel) and Ring (a kernel with a log-sum-exp standing in
+    for flash-attn/cuDNN) on two ranks: the pooled output equals the one-process pooled
+    output, and after removal the unpatched one, with the patch applied before or after
+    ``enable_parallelism``; pooling's own effect is far above that."""
+    assert ranks["pooling"] > 1e-3
+    assert ranks[f"{degree}, {order}, pooled"]["error"] < EXACT
+    assert ranks[f"{degree}, {order}, removed"]["error"] < EXACT
+
+
+@pytest.mark.parametrize("degree, collective", [("ulysses", "all_to_all_single"),
+                                                 ("ring", "all_gather_tensor")])
+def test_pooled_keys_travel_pooled(ranks, degree, collective):
+    """The keys/values are pooled before they travel: per attention call of the 8x8 grid
+    (8 text tokens, 4 heads of 8), Ulysses' all-to-all moves 36 query rows and 12 pooled
+    key/value rows of each rank's shard instead of 36 (two thirds of the bytes), Ring's
+    gather 12 key/value rows instead of 36 (a third), the bias mask's 12 floats apart."""
+    pooled = ranks[f"{degree}, parallel first, pooled"]["bytes"]
+    whole = ranks[f"{degree}, parallel first, removed"]["bytes"]
+    row = 4 * 8 * 4  # heads x head_dim x float32
+    if degree == "ulysses":  # q, k, v and the output, each sending half of its rows
+        assert whole[collective] == 4 * 36 * row // 2
+        assert pooled[collective] == (36 + 12 + 12 + 36) * row // 2
+        assert pooled["all_gather"] == 12 * 4
+    else:  # k and v of the shard, gathered whole
+        assert whole[collective] == 2 * 36 * row
+        assert pooled[collective] == 2 * 12 * row
+
+
+def test_cells_across_shards_and_uneven_shards_are_refused(ranks):
+    """6 rows in two shards of 3 would split 2x2 cells between the ranks: refused at the
+    first call; diffusers' uneven ``ulysses_anything`` split: refused at apply_patch."""
+    assert "whole 2x2 cells" in ranks["straddle"] and "6x4" in ranks["straddle"]
+    assert "ulysses_anything" in ranks["anything"]
+
+
+# ----------------------------------------------------------------------------- in process
+
+@pytest.mark.parametrize("grid, n, factors, temporal, want", [
+    ((1, 16, 16), 2, (2,), 1, (1, 8, 16)),
+    ((1, 16, 16), 4, (2, 4), 1, (1, 4, 16)),
+    ((1, 12, 16), 2, (4,), 1, None),      # 6 rows per rank: 4x4 cells straddle
+    ((1, 6, 4), 2, (2,), 1, None),
+    ((4, 8, 8), 2, (2,), 2, (2, 8, 8)),   # whole frames, 2 per temporal cell
+    ((3, 8, 8), 2, (2,), 1, None),        # a frame split between ranks
+    ((4, 8, 8), 4, (2,), 2, None),        # one frame per rank: temporal pairs straddle
+])
+def test_shard_grid(grid, n, factors, temporal, want):
+    assert parallel.shard_grid(*grid, n, factors, temporal) == (want and parallel.Shard(*want))
+
+
+def _cp(ring=1, ulysses=1, **kw):
+    return SimpleNamespace(context_parallel_config=SimpleNamespace(
+        ring_degree=ring, ulysses_degree=ulysses, ulysses_anything=False, ring_anything=False,
+        **kw))
+
+
+def _flux():
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1,
+                                  num_single_layers=1, attention_head_dim=8,
+                                  num_attention_heads=4, joint_attention_dim=16,
+                                  pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)).eval()
+
+
+POOL = {"method": "downsample", "downsample_factor": 2, "measure": False}
+
+
+def test_unified_refused_at_apply_patch_and_at_the_first_call():
+    """Ulysses x Ring (diffusers' unified attention does not gather a mask in its ring
+    step): refused at apply_patch, the model untouched; enabled after patching, refused at
+    the first pooled call."""
+    m = _flux()
+    m._parallel_config = _cp(ring=2, ulysses=2)
+    before = {n: type(p) for n, p in m.attn_processors.items()}
+    with pytest.raises(ValueError, match="unified"):
+        tome.apply_patch(m, **POOL)
+    assert {n: type(p) for n, p in m.attn_processors.items()} == before
+    m = tome.apply_patch(_flux(), **POOL)
+    m._parallel_config = _cp(ring=2, ulysses=2)
+    ids = torch.zeros(64, 3)
+    ids[:, 1], ids[:, 2] = torch.arange(8).repeat_interleave(8), torch.arange(8).repeat(8)
+    with pytest.raises(ValueError, match="unified"), torch.no_grad():
+        m(hidden_states=torch.randn(1, 64, 8), encoder_hidden_states=torch.randn(1, 8, 16),
+          pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.5]), img_ids=ids,
+          txt_ids=torch.zeros(8, 3))
+
+
+def test_wrappers_pass_parallel_settings_to_the_original():
+    """diffusers sets ``_parallel_config`` and ``_attention_backend`` on each attention
+    module's processor (``enable_parallelism``, ``set_attention_backend``): on a patched
+    model they reach the wrapped original, which every unpooled call runs."""
+    m = tome.apply_patch(_flux(), **POOL)
+    block = m.transformer_blocks[0].attn
+    config = _cp(ulysses=2)
+    block.processor._parallel_config = config
+    block.processor._attention_backend = "native"
+    assert block.processor.original._parallel_config is config
+    assert block.processor.original._attention_backend == "native"
+    assert hasattr(block.processor, "_parallel_config")
+    tome.remove_patch(m)
+    assert block.processor._parallel_config is config
+
+
+@pytest.mark.parametrize("modules, says", [
+    ({"custom_nodes.raylight.distributed_worker": None}, "under raylight"),
+    ({"xfuser.core.long_ctx_attention": None}, "under xDiT"),
+    ({"para_attn.context_parallel": None}, "under ParaAttention"),
+    ({"comfy.multigpu": None, "raylightning": None}, None),
+])
+def test_sequence_parallel_hosts_named(modules, says):
+    got = parallel.host_line(modules)
+    assert (got is None) if says is None else got.startswith(says)
+
+
+def test_not_pooled_line_names_the_host(monkeypatch):
+    """A sampling where the override never ran, with raylight loaded: the after-sampling
+    line says why (raylight's blocks call xfuser's attention past it), not only that it
+    was never called."""
+    from tome import percall_calls
+    counts = percall_calls.Counts("comfy flux")
+    counts.count_call({}, 0, True, True)
+    assert "never called" in counts.not_pooled()
+    monkeypatch.setitem(sys.modules, "raylight", SimpleNamespace())
+    assert "under raylight" in counts.not_pooled()
