@@ -1,14 +1,15 @@
 """One rank of a two-rank check under diffusers' context parallelism (run by ``torchrun
---nproc_per_node 2``, gloo, the CPU; ``tests/test_parallel.py`` starts it): a random
-``FluxTransformer2DModel`` called in one process, unpatched and pooled, then under
-``enable_parallelism``; rank 0 writes what it found as JSON to ``argv[1]``.
+--nproc_per_node 2``; gloo on the CPU, where ``tests/test_parallel.py`` starts it, or NCCL on
+GPUs): a random ``FluxTransformer2DModel`` called in one process, unpatched and pooled, then
+under ``enable_parallelism``; rank 0 writes what it found as JSON to ``argv[1]``.
 
-What it finds: the pooled output under Ulysses against the one-process pooled output (the
-patch applied before or after ``enable_parallelism``), and after removal against the
-unpatched one, with the bytes each rank sends per attention call and the seconds per model
-call (``argv[2:4]``: the grid, 8x8 tokens by default); the ValueError's message where a grid's
-cells straddle the shards (at the first call) and where ``ulysses_anything`` is asked (at
-apply_patch)."""
+What it finds: the pooled output under Ulysses and Ring against the one-process pooled
+output (the patch applied before or after ``enable_parallelism``), and after removal against
+the unpatched one, with the bytes each rank sends per attention call and the seconds per
+model call; the ValueError's message where a grid's cells straddle the shards (at the first
+call) and where ``ulysses_anything`` is asked (at apply_patch). ``argv[2:8]`` (measuring):
+the grid's rows and columns, rounds, heads, head dim, text tokens (default: 8x8 tokens, one
+round, 4 heads of 8, 8 text tokens)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,8 @@ import torch.distributed as dist
 
 import tome
 
-# enable_parallelism builds its device from the accelerator (torch._C._get_accelerator(),
-# then ``rank % torch.accelerator.device_count()``): on a CPU-only torch that is "cpu" with a
-# count of 0, so the count is one here (the ranks share the CPU).
-torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
-
 HEADS, DIM, TEXT = 4, 8, 8
+DEVICE = "cpu"  # a rank's GPU where there is one (NCCL), else the CPU (gloo)
 
 
 class Wire:
@@ -80,7 +77,8 @@ def model():
     return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1,
                                   num_single_layers=1, attention_head_dim=DIM,
                                   num_attention_heads=HEADS, joint_attention_dim=16,
-                                  pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)).eval()
+                                  pooled_projection_dim=8,
+                                  axes_dims_rope=(DIM // 4, DIM // 4, DIM // 2)).eval().to(DEVICE)
 
 
 def inputs(h: int, w: int):
@@ -88,11 +86,11 @@ def inputs(h: int, w: int):
     ids = torch.zeros(h * w, 3)
     ids[:, 1] = torch.arange(h).repeat_interleave(w)
     ids[:, 2] = torch.arange(w).repeat(h)
-    return {"hidden_states": torch.randn(1, h * w, 8, generator=g),
-            "encoder_hidden_states": torch.randn(1, TEXT, 16, generator=g),
-            "pooled_projections": torch.randn(1, 8, generator=g),
-            "timestep": torch.tensor([0.5]), "img_ids": ids, "txt_ids": torch.zeros(TEXT, 3),
-            "return_dict": False}
+    kw = {"hidden_states": torch.randn(1, h * w, 8, generator=g),
+          "encoder_hidden_states": torch.randn(1, TEXT, 16, generator=g),
+          "pooled_projections": torch.randn(1, 8, generator=g),
+          "timestep": torch.tensor([0.5]), "img_ids": ids, "txt_ids": torch.zeros(TEXT, 3)}
+    return {**{k: v.to(DEVICE) for k, v in kw.items()}, "return_dict": False}
 
 
 def run(m, kw, wire=None, rounds=1):
@@ -102,6 +100,8 @@ def run(m, kw, wire=None, rounds=1):
         t0 = time.perf_counter()
         for _ in range(rounds):
             out = m(**kw)[0]
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
         took = (time.perf_counter() - t0) / rounds
     return out, took
 
@@ -155,15 +155,25 @@ def refused(case: str) -> str | None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    global HEADS, DIM, TEXT, DEVICE
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        DEVICE = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
+        torch.cuda.set_device(DEVICE)
+    else:  # enable_parallelism takes its device from the accelerator: "cpu" here, with a
+        # count of 0 (``rank % device_count()``): the ranks share the CPU as one device
+        torch.accelerator.device_count = lambda: 1
     import torch.distributed._functional_collectives as funcol
     wire = Wire()
     for owner, name in ((funcol, "all_to_all_single"), (funcol, "all_gather_tensor"),
                         (dist, "all_gather"), (dist, "all_to_all_single")):
         wire.wrap(owner, name)
     found: dict = {}
-    h, w = (int(x) for x in sys.argv[2:4]) if len(sys.argv) > 3 else (8, 8)
-    degrees(found, h, w, wire, int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    h, w, rounds = 8, 8, 1
+    if len(sys.argv) > 2:  # measuring (docs/speed.md): grid, rounds, heads, head dim, text
+        h, w, rounds, HEADS, DIM, TEXT = (int(x) for x in sys.argv[2:8])
+    degrees(found, h, w, wire, rounds)
     for case in ("straddle", "anything"):
         found[case] = refused(case)
     if dist.get_rank() == 0:

@@ -117,6 +117,31 @@ def _flux():
 POOL = {"method": "downsample", "downsample_factor": 2, "measure": False}
 
 
+def _call(m, h=8, w=8, refs=0):
+    """One call of the stand-in Flux on an ``h x w`` grid (and ``refs`` reference tokens
+    after it, Kontext's: another first id)."""
+    ids = torch.zeros(h * w + refs, 3)
+    ids[:h * w, 1] = torch.arange(h).repeat_interleave(w)
+    ids[:h * w, 2] = torch.arange(w).repeat(h)
+    ids[h * w:, 0] = 1
+    with torch.no_grad():
+        return m(hidden_states=torch.randn(1, h * w + refs, 8),
+                 encoder_hidden_states=torch.randn(1, 8, 16),
+                 pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.5]),
+                 img_ids=ids, txt_ids=torch.zeros(8, 3))
+
+
+def test_reference_tokens_refused_under_context_parallelism():
+    """Kontext's reference tokens after the image: diffusers' shards cut [image, references]
+    as one sequence, so no rank holds an image of its own: refused at the first pooled call
+    (unpatched calls and ToMe without parallelism pool them as before)."""
+    m = tome.apply_patch(_flux(), **POOL)
+    assert torch.isfinite(_call(m, refs=16)[0]).all()
+    m._parallel_config = _cp(ulysses=2)
+    with pytest.raises(ValueError, match="tokens beside the image"):
+        _call(m, refs=16)
+
+
 def test_unified_refused_at_apply_patch_and_at_the_first_call():
     """Ulysses x Ring (diffusers' unified attention does not gather a mask in its ring
     step): refused at apply_patch, the model untouched; enabled after patching, refused at
@@ -129,12 +154,8 @@ def test_unified_refused_at_apply_patch_and_at_the_first_call():
     assert {n: type(p) for n, p in m.attn_processors.items()} == before
     m = tome.apply_patch(_flux(), **POOL)
     m._parallel_config = _cp(ring=2, ulysses=2)
-    ids = torch.zeros(64, 3)
-    ids[:, 1], ids[:, 2] = torch.arange(8).repeat_interleave(8), torch.arange(8).repeat(8)
-    with pytest.raises(ValueError, match="unified"), torch.no_grad():
-        m(hidden_states=torch.randn(1, 64, 8), encoder_hidden_states=torch.randn(1, 8, 16),
-          pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.5]), img_ids=ids,
-          txt_ids=torch.zeros(8, 3))
+    with pytest.raises(ValueError, match="unified"):
+        _call(m)
 
 
 def test_wrappers_pass_parallel_settings_to_the_original():

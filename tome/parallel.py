@@ -103,18 +103,26 @@ def shard(st: Any, x: Any) -> None:
     n = ranks(cp)
     factors = tuple(sorted({plan.factor, *(item[1] for item in st.schedule.items)} - {0}))
     got = shard_grid(plan.frames, plan.h, plan.w, n, factors, plan.temporal)
-    beside = x.dim() == 3 and x.shape[1] != plan.tokens  # reference tokens (Kontext)
-    if got is None or beside or (st.text and st.text % n and text_split(st.layout.root)):
+    split = text_split(st.layout.root)
+    # tokens beside the image: references after it (Kontext), or before it where they are
+    # not a text every rank holds its share of (Wan 2.2 TI2V's whole first frame)
+    beside = (x.dim() == 3 and x.shape[1] != plan.tokens) or bool(st.text and not split)
+    if beside:
+        raise ValueError(
+            f"ToMe: cannot pool under context parallelism over {n} ranks: tokens beside the "
+            "image (reference images, a whole first frame) are not split as the image is; "
+            "remove the ToMe patch")
+    if got is None or (st.text % n and split):
         grid = f"{plan.h}x{plan.w}" + (f"x{plan.frames} frames" if plan.frames > 1 else "")
-        what = "reference tokens beside the image" if beside else f"a {grid} token grid"
         cells = ", ".join(f"{f}x{f}" for f in factors)
         raise ValueError(
-            f"ToMe: cannot pool {what} under context parallelism over {n} ranks: each "
-            f"rank's shard must hold whole {cells} cells (image rows per rank a multiple of "
-            "the factor, or whole frames); choose another size or remove the ToMe patch")
+            f"ToMe: cannot pool a {grid} token grid under context parallelism over {n} "
+            f"ranks: each rank's shard must hold whole {cells} cells (image rows per rank a "
+            "multiple of the factor, or whole frames per rank); choose another size or remove "
+            "the ToMe patch")
     st.plan = dit.DitPlan(got.h, got.w, plan.factor, plan.rope, plan.proportional,
                           got.frames, plan.temporal)
-    if text_split(st.layout.root):
+    if split:
         st.text //= n
 
 
