@@ -141,6 +141,44 @@ def degrees(found: dict, h: int, w: int, wire: Wire, rounds: int) -> None:
                 tome.remove_patch(m)
 
 
+def video_and_qwen(found: dict) -> None:
+    """Wan (a 4-frame video: two whole frames per rank; the text is not split) and
+    Qwen-Image (its text split, its RoPE split after ``pos_embed``) under Ulysses, patched
+    after ``enable_parallelism``: the pooled output against the one-process pooled one."""
+    import diffusers
+    from models import randomised
+
+    def wan():
+        return randomised(diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64), 0.5)
+
+    def qwen():
+        return randomised(diffusers.QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6)), 0.5)
+
+    g = torch.Generator().manual_seed(2)
+    cases = {
+        "wan": (wan, {"hidden_states": torch.randn(1, 4, 4, 16, 24, generator=g),
+                      "timestep": torch.full((1,), 700.0),
+                      "encoder_hidden_states": torch.randn(1, 7, 16, generator=g)}),
+        "qwen": (qwen, {"hidden_states": torch.randn(1, 96, 16, generator=g),
+                        "encoder_hidden_states": torch.randn(1, 6, 24, generator=g),
+                        "timestep": torch.full((1,), 0.7), "img_shapes": [[(1, 8, 12)]]}),
+    }
+    for name, (build, kw) in cases.items():
+        kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        kw["return_dict"] = False
+        whole, _ = run(build().to(DEVICE), kw)
+        pooled, _ = run(tome.apply_patch(build().to(DEVICE), **POOL), kw)
+        m = tome.apply_patch(parallel(build().to(DEVICE), ulysses_degree=2), **POOL)
+        out, _ = run(m, kw)
+        found[name] = {"pooling": (pooled - whole).abs().max().item(),
+                       "error": (out - pooled).abs().max().item()}
+
+
 def refused(case: str) -> str | None:
     """The ValueError's message where ToMe refuses ``case``, or None."""
     try:
@@ -174,6 +212,7 @@ def main() -> None:
     if len(sys.argv) > 2:  # measuring (docs/speed.md): grid, rounds, heads, head dim, text
         h, w, rounds, HEADS, DIM, TEXT = (int(x) for x in sys.argv[2:8])
     degrees(found, h, w, wire, rounds)
+    video_and_qwen(found)
     for case in ("straddle", "anything"):
         found[case] = refused(case)
     if dist.get_rank() == 0:
