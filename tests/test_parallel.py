@@ -77,20 +77,34 @@ def test_pooled_keys_travel_pooled(ranks, degree, collective):
         assert pooled[collective] == 2 * 12 * row
 
 
-@pytest.mark.parametrize("family", ["wan", "qwen"])
+@pytest.mark.parametrize("family", ["wan", "wan3", "qwen"])
 def test_wan_and_qwen_image_pool_as_one_process(ranks, family):
-    """Wan (two whole frames per rank, the text whole on every rank) and Qwen-Image (its
-    text and RoPE split) under Ulysses: the pooled output is a thousand times closer to the
+    """Wan (4 frames: two whole frames per rank; 3 frames: one split between the ranks,
+    pooled after the all-to-all; the text whole on every rank) and Qwen-Image (its text and
+    RoPE split) under Ulysses: the pooled output is a thousand times closer to the
     one-process pooled output than pooling's own effect (large random weights: outputs of
     order 10; before, each rank ran unpooled)."""
     found = ranks[family]
     assert found["error"] < 1e-3 * found["pooling"]
 
 
-def test_cells_across_shards_and_uneven_shards_are_refused(ranks):
-    """6 rows in two shards of 3 would split 2x2 cells between the ranks: refused at the
-    first call; diffusers' uneven ``ulysses_anything`` split: refused at apply_patch."""
-    assert "whole 2x2 cells" in ranks["straddle"] and "6x4" in ranks["straddle"]
+def test_cells_across_shards_pooled_after_the_all_to_all_under_ulysses(ranks):
+    """6 rows in two shards of 3 split 2x2 cells between the ranks: under Ulysses the keys
+    are pooled after the all-to-all, where the whole sequence is known (the one-process
+    pooled output; the all-to-all moves the whole q, k, v and output, 16 rows of 32 floats
+    per rank each, plus the rotary embedding's 16 rows of 8 cos/sin pairs gathered)."""
+    found = ranks["straddle, ulysses"]
+    assert found["error"] < EXACT
+    assert found["bytes"] == {"all_to_all_single": 4 * 16 * 32 * 4 // 2,
+                              "all_gather": 2 * 16 * 8 * 4}
+
+
+def test_what_cannot_be_pooled_right_is_refused(ranks):
+    """Cells across the shards under Ring (each rank's keys rotate as they are: no rank
+    sees a whole cell) and under Qwen-Image's own pooling maths: refused at the first pooled
+    call; diffusers' uneven ``ulysses_anything`` split: refused at apply_patch."""
+    assert "whole 2x2 cells" in ranks["straddle, ring"] and "6x4" in ranks["straddle, ring"]
+    assert "pools its keys itself" in ranks["qwen across"]
     assert "ulysses_anything" in ranks["anything"]
 
 

@@ -25,9 +25,12 @@ never reaches the override (raylight; xDiT's and ParaAttention's own attention).
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from . import dit
+import torch
+
+from . import attend, dit
 
 
 def context(root: Any) -> Any:
@@ -112,18 +115,104 @@ def shard(st: Any, x: Any) -> None:
             f"ToMe: cannot pool under context parallelism over {n} ranks: tokens beside the "
             "image (reference images, a whole first frame) are not split as the image is; "
             "remove the ToMe patch")
-    if got is None or (st.text % n and split):
+    if st.text % n and split:
+        got = None
+    if got is None and cp.ring_degree == 1 and plan.tokens % n == 0:
+        st.plan = Gathered(plan, n, cp._ulysses_mesh.get_group())  # pooled after the all-to-all
+    elif got is None:
         grid = f"{plan.h}x{plan.w}" + (f"x{plan.frames} frames" if plan.frames > 1 else "")
         cells = ", ".join(f"{f}x{f}" for f in factors)
         raise ValueError(
-            f"ToMe: cannot pool a {grid} token grid under context parallelism over {n} "
+            f"ToMe: cannot pool a {grid} token grid under ring context parallelism over {n} "
             f"ranks: each rank's shard must hold whole {cells} cells (image rows per rank a "
-            "multiple of the factor, or whole frames per rank); choose another size or remove "
-            "the ToMe patch")
-    st.plan = dit.DitPlan(got.h, got.w, plan.factor, plan.rope, plan.proportional,
-                          got.frames, plan.temporal)
+            "multiple of the factor, or whole frames per rank); choose another size, use "
+            "ulysses_degree, or remove the ToMe patch")
+    else:
+        st.plan = dit.DitPlan(got.h, got.w, plan.factor, plan.rope, plan.proportional,
+                              got.frames, plan.temporal)
     if split:
         st.text //= n
+
+
+GATHERED = ("ToMe: this model's attention pools its keys itself, which cannot follow a grid "
+            "whose cells straddle the ranks' shards: choose a size whose image rows per rank "
+            "are a multiple of the factor, or remove the ToMe patch")
+
+
+class Gathered(dit.DitPlan):
+    """A rank's plan under Ulysses where the grid's cells straddle the shards: the keys are
+    pooled after the all-to-all, where the whole sequence is known (``around``; the
+    all-to-all then moves the whole keys: only the attention work is saved). Its own grid is
+    the shard's length (``1 x 1 x tokens/n``: what a family's maths check the call's length
+    against); ``whole`` is the call's plan. A family whose maths pool by themselves instead
+    of through ``kv.attend_plan`` is refused (``pool``, ``keys``... raise)."""
+
+    __slots__ = ("whole", "n", "group")
+
+    def __init__(self, whole: dit.DitPlan, n: int, group: Any):
+        super().__init__(1, whole.tokens // n, whole.factor, whole.rope, whole.proportional)
+        self.whole, self.n, self.group = whole, n, group
+
+    def with_factor(self, factor: int) -> Gathered:
+        return Gathered(self.whole.with_factor(factor), self.n, self.group)
+
+    def pool(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(GATHERED)
+
+    keys = cos_sin = rotations = bias = pool
+
+    def around(self, attend_plan: Any, wrapper: Any, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, start: int, dim: int, emb: Any, rotate: Any) -> torch.Tensor:
+        """``kv.attend_plan`` on the whole sequence: q, k, v ([B, S/n, H, D]) swapped to
+        [B, S, H/n, D] (each rank's ``start`` text tokens, then its image tokens), put in the
+        model's order ([text, image]), pooled with the whole plan, attended over this rank's
+        heads with the backend's kernel, put back and swapped back."""
+        if dim != 1:
+            raise ValueError(GATHERED)
+        n, s = self.n, q.shape[1]
+        ranks = torch.arange(n, device=q.device)[:, None] * s
+        order = torch.cat([(ranks + torch.arange(start, device=q.device)).reshape(-1),
+                           (ranks + torch.arange(start, s, device=q.device)).reshape(-1)])
+        q, k, v = (_heads(t, n, self.group).index_select(1, order) for t in (q, k, v))
+        rotation: dict = {}
+        if emb is not None:  # diffusers' (cos, sin), the sequence on its axis of length s
+            axis = next(i for i, size in enumerate(emb[0].shape) if size == s)
+            emb = tuple(_gather(e, axis, n, self.group).index_select(axis, order) for e in emb)
+            rotation = {"emb": emb, "rotate": rotate,
+                        "positions": lambda e: self.whole.cos_sin(e, n * start, axis)}
+        local = SimpleNamespace(_attention_backend=getattr(
+            getattr(wrapper, "original", None), "_attention_backend", None))
+        out = attend_plan(wrapper, attend.dispatch(local), self.whole, q, k, v, n * start, 1,
+                          **rotation)
+        return _sequence(out.index_select(1, torch.argsort(order)), n, self.group)
+
+
+def _heads(t: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    """[B, S/n, H, D] -> [B, S, H/n, D] (every rank's tokens, rank-major; this rank's heads)."""
+    import torch.distributed as dist
+    b, s, h, d = t.shape
+    x = t.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x, group=group)
+    return y.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+
+
+def _sequence(t: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    """``_heads`` undone: [B, S, H/n, D] -> [B, S/n, H, D]."""
+    import torch.distributed as dist
+    b, s, h, d = t.shape
+    x = t.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x, group=group)
+    return y.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
+
+
+def _gather(t: torch.Tensor, axis: int, n: int, group: Any) -> torch.Tensor:
+    """Every rank's ``t`` along ``axis``, rank-major."""
+    import torch.distributed as dist
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, axis)
 
 
 def forwarded(name: str) -> property:
