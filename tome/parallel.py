@@ -13,13 +13,15 @@ they travel, so the all-to-all (Ulysses) and the rotation (Ring) move the pooled
 whole ones. The proportional bias of a shard is the same for every shard (its cells are), so
 a mask is right where Ulysses gathers it and where Ring reuses it on each rank's keys.
 
-``shard`` makes a call's plan and text length the rank's (``processors._Hooks``); a grid
-whose cells straddle the shards, reference tokens beside the image, diffusers' uneven
-"anything" splits and unified (Ulysses x Ring: its ring step does not gather a mask, and
-nothing here could run it) are refused with a ValueError at ``apply_patch`` (``check``) or at
-the call, never pooled into another image. Tensor parallelism splits heads, not the
-sequence: nothing changes. ``host_line`` says where a sequence-parallel host's attention
-never reaches the override (raylight; xDiT's and ParaAttention's own attention).
+``shard`` makes a call's plan and text length the rank's (``processors._Hooks``). Where cells
+would straddle the shards, Ulysses pools after its all-to-all instead (``Gathered``, through
+``kv.attend_plan``: the whole keys travel, the attention work is saved); Ring cannot (no rank
+ever holds a whole cell), nor can a family whose maths pool by themselves (Qwen-Image): both
+are refused with a ValueError, as are reference tokens beside the image, diffusers' uneven
+"anything" splits and unified Ulysses x Ring (its ring step does not gather a mask) at
+``apply_patch`` (``check``) or at the call: never pooled into another image. Tensor
+parallelism splits heads, not the sequence: nothing changes. ``host_line`` says where a
+sequence-parallel host's attention never reaches ToMe (raylight, ParaAttention, xDiT).
 """
 
 from __future__ import annotations
