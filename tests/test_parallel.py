@@ -219,3 +219,56 @@ def test_not_pooled_line_names_the_host(monkeypatch):
     assert "never called" in counts.not_pooled()
     monkeypatch.setitem(sys.modules, "raylight", SimpleNamespace())
     assert "under raylight" in counts.not_pooled()
+
+
+def test_multigpu_worker_threads_share_the_main_patch_and_pool_as_one_gpu():
+    """ComfyUI v0.30's MultiGPU CFG Split (``comfy/multigpu.py``): each extra device gets
+    ``deepclone_multigpu``, a ``clone()`` of the patched model (the same wrapper objects:
+    clone copies the lists) around a fresh BaseModel from the loader, sampled in a persistent
+    worker thread while the main thread samples: both run the one OverridePatch at once
+    (tests/test_engine.py's two-thread test deep-copies the patch instead). Each thread gives
+    bit for bit what its clone gives alone. One device here: the node's split itself is not
+    run."""
+    import threading
+
+    from comfy_node import defaults
+    from test_engine import REUSE, flux, sample
+
+    from tome.comfy import nodes
+
+    (ours,) = nodes.ToMePatch().patch(flux(), **defaults(**REUSE))
+    clones = []
+    for _ in range(2):
+        c = ours.clone()
+        c.model = flux().model  # the loader's model anew (deepclone_multigpu)
+        clones.append(c)
+    alone = [sample(c, seed=i) for i, c in enumerate(clones)]
+    barrier = threading.Barrier(2)
+    for c in clones:
+        inner = c.model.apply_model
+
+        def lockstep(*args, _inner=inner, **kwargs):
+            barrier.wait(timeout=60)
+            return _inner(*args, **kwargs)
+        c.model.apply_model = lockstep
+    got: list = [None, None]
+    errors: list = []
+
+    def run(i):
+        try:
+            got[i] = sample(clones[i], seed=i)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert clones[0].wrappers and all(
+        w0 is w1 for k in ours.wrappers for key in ours.wrappers[k]
+        for w0, w1 in zip(clones[0].wrappers[k][key], clones[1].wrappers[k][key]))
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+    assert not torch.equal(alone[0], alone[1])

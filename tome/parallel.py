@@ -125,7 +125,8 @@ def shard(st: Any, x: Any) -> None:
         grid = f"{plan.h}x{plan.w}" + (f"x{plan.frames} frames" if plan.frames > 1 else "")
         cells = ", ".join(f"{f}x{f}" for f in factors)
         raise ValueError(
-            f"ToMe: cannot pool a {grid} token grid under ring context parallelism over {n} "
+            f"ToMe: cannot pool a {grid} token grid under "
+            f"{'ring' if cp.ring_degree > 1 else 'ulysses'} context parallelism over {n} "
             f"ranks: each rank's shard must hold whole {cells} cells (image rows per rank a "
             "multiple of the factor, or whole frames per rank); choose another size, use "
             "ulysses_degree, or remove the ToMe patch")
@@ -234,8 +235,9 @@ def forwarded(name: str) -> property:
 # xDiT's diffusers pipelines put their own processors (xFuser...AttnProcessor) on the blocks:
 # the report names those blocks skipped, as any processor ToMe does not reproduce.
 HOSTS = (
-    ("raylight", "under raylight: its sequence-parallel blocks call xfuser's attention "
-                 "without transformer_options, so the attention override never runs"),
+    ("raylight", "under raylight (loaded): its sequence-parallel blocks call xfuser's "
+                 "attention without transformer_options, so the attention override never "
+                 "runs"),
     ("para_attn", "under ParaAttention: its context-parallel forward hands each block a "
                   "shard of the sequence ToMe's grid does not describe"),
     ("xfuser", "under xDiT: its sequence-parallel attention replaces the model's own"),
