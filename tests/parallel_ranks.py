@@ -9,7 +9,8 @@ the unpatched one, with the bytes each rank sends per attention call and the sec
 model call; the ValueError's message where a grid's cells straddle the shards (at the first
 call) and where ``ulysses_anything`` is asked (at apply_patch). ``argv[2:8]`` (measuring):
 the grid's rows and columns, rounds, heads, head dim, text tokens (default: 8x8 tokens, one
-round, 4 heads of 8, 8 text tokens)."""
+round, 4 heads of 8, 8 text tokens); ``argv[8]`` ``straddle``: only the grid given, whose
+rows per rank must straddle cells, pooled after the all-to-all."""
 
 from __future__ import annotations
 
@@ -187,15 +188,19 @@ def video_and_qwen(found: dict) -> None:
         found["qwen across"] = str(e)
 
 
-def straddle(found: dict, wire: Wire) -> None:
-    """6 rows in two shards of 3 (2x2 cells straddle them): under Ulysses pooled after the
-    all-to-all, against the one-process pooled output, with the bytes; under Ring refused."""
-    kw = inputs(6, 4)
+def straddle(found: dict, wire: Wire, h: int = 6, w: int = 4, rounds: int = 1) -> None:
+    """``h`` rows in two shards (6: shards of 3 rows; 2x2 cells straddle them): under Ulysses
+    pooled after the all-to-all, against the one-process pooled output, with the bytes and
+    seconds (unpooled: after removal); under Ring refused."""
+    kw = inputs(h, w)
     pooled, _ = run(tome.apply_patch(model(), **POOL), kw)
     m = tome.apply_patch(parallel(wire.attach(model()), ulysses_degree=2), **POOL)
-    out, _ = run(m, kw, wire)
-    found["straddle, ulysses"] = {"error": (out - pooled).abs().max().item(),
-                                  "bytes": {k: v // 2 for k, v in wire.sent.items()}}
+    for state in ("pooled", "removed"):
+        out, took = run(m, kw, wire, rounds)
+        found[f"straddle, ulysses, {state}"] = {
+            "error": (out - pooled).abs().max().item(), "s": took,
+            "bytes": {k: v // rounds // 2 for k, v in wire.sent.items()}}
+        tome.remove_patch(m)
     try:
         run(tome.apply_patch(parallel(model(), ring_degree=2), **POOL), kw)
         found["straddle, ring"] = None
@@ -231,9 +236,12 @@ def main() -> None:
     h, w, rounds = 8, 8, 1
     if len(sys.argv) > 2:  # measuring (docs/speed.md): grid, rounds, heads, head dim, text
         h, w, rounds, HEADS, DIM, TEXT = (int(x) for x in sys.argv[2:8])
-    degrees(found, h, w, wire, rounds)
-    video_and_qwen(found)
-    straddle(found, wire)
+    if sys.argv[8:] == ["straddle"]:  # measuring the pooled-after-the-all-to-all path only
+        straddle(found, wire, h, w, rounds)
+    else:
+        degrees(found, h, w, wire, rounds)
+        video_and_qwen(found)
+        straddle(found, wire)
     found["anything"] = refused()
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:

@@ -93,7 +93,7 @@ def test_cells_across_shards_pooled_after_the_all_to_all_under_ulysses(ranks):
     are pooled after the all-to-all, where the whole sequence is known (the one-process
     pooled output; the all-to-all moves the whole q, k, v and output, 16 rows of 32 floats
     per rank each, plus the rotary embedding's 16 rows of 8 cos/sin pairs gathered)."""
-    found = ranks["straddle, ulysses"]
+    found = ranks["straddle, ulysses, pooled"]
     assert found["error"] < EXACT
     assert found["bytes"] == {"all_to_all_single": 4 * 16 * 32 * 4 // 2,
                               "all_gather": 2 * 16 * 8 * 4}
