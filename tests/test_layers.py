@@ -23,6 +23,7 @@ LAYERS = [
     ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
     ("tome.attend",),   # attention over pooled keys: the bias per kernel
     ("tome.kv",),       # one attention step for every DiT host: pool, rotate, bias, reuse
+    ("tome.parallel",),  # pooling under context parallelism: each rank's shard, or refused
     ("tome.percall_calls",),  # what a patch's model and attention calls did: counts, tally
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry

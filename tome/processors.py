@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import brackets, budget, console, dit, dits, merge, percall, percall_calls, policy
+from . import brackets, budget, console, dit, dits, merge, parallel, percall, percall_calls, policy
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Block, Layout, uncompiled
@@ -127,6 +127,7 @@ class _Hooks:
         if call is not None:  # an image's h x w tokens, a video's frames x h x w
             n = policy.level_tokens(size, d.patch)
             st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
+            parallel.shard(st, x)  # context parallelism: this rank's shard, or refused
             if st.plan is not None and read and t is not None:
                 _progress(st, x, size, t)
         st.push()
@@ -175,6 +176,8 @@ class PoolingProcessor:
     (a subclass per original class, ``_signed``)."""
 
     _names: tuple[str, ...] = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
+    _parallel_config = parallel.forwarded("_parallel_config")  # diffusers sets them here
+    _attention_backend = parallel.forwarded("_attention_backend")
 
     def __new__(cls, original: Any = None, *args: Any, **kwargs: Any) -> PoolingProcessor:
         signed = cls is PoolingProcessor and original is not None
@@ -351,6 +354,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     # A schedule may pool where the plain factor is 1: only a method without a DiT form or
     # settings that name no block pool nothing (factor 1 runs the pooled maths, bit for bit
     # the library's). Then nothing is installed, as for settings that change nothing.
+    parallel.check(root)  # context parallelism ToMe cannot pool right: refused
     report.unmergeable = layout.unmergeable(config)
     if report.unmergeable:
         return report
