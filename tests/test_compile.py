@@ -133,23 +133,28 @@ def _pipeline(m):
     return pipe, generate
 
 
+PIPE_SIZES = (96, 64, 128, 80)
+
+
 @pytest.mark.parametrize("order", ["patch, then compile", "compile, then patch"])
 def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, order):
     """``pipe.transformer = torch.compile(pipe.transformer)`` after (or before) patching with
-    the quality preset: generations run (before: ``TypeError: ... does not support len()``
-    from the generation bracket, then dynamo tracing the memory budget's words) and give the
-    eager patched latents; ``remove_patch(pipe)`` finds the module under the compiled one
-    (before: ``UnsupportedModelError``, the bracket left on the pipeline) and the next
-    generation is the unpatched one, bit for bit."""
+    the quality preset: generations at four sizes run with dynamo's recompile limit an error
+    (before: ``TypeError: ... does not support len()`` from the generation bracket, then a
+    graph per size from the hooks' Python ints until the limit), no graph after the second
+    size, and give the eager patched latents; ``remove_patch(pipe)`` finds the module under
+    the compiled one (before: ``UnsupportedModelError``, the bracket left on the pipeline)
+    and the next generation is the unpatched one, bit for bit."""
     m = copy.deepcopy(model)
     pipe, generate = _pipeline(m)
     unpatched = generate()
     config = tome.preset("quality", policy="fixed")
     tome.apply_patch(pipe, config=config)
-    eager = generate()
+    eager = [generate(s) for s in PIPE_SIZES]
     tome.remove_patch(pipe)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
+    graphs = []
     try:
         if order == "patch, then compile":
             tome.apply_patch(pipe, config=config)
@@ -160,15 +165,21 @@ def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, ord
                 warnings.simplefilter("ignore")
                 tome.apply_patch(pipe, config=config)
         assert tome.is_patched(pipe)
-        compiled = generate()
-        assert counter.frame_count >= 1
+        compiled = []
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for s in PIPE_SIZES:
+                before = counter.frame_count
+                compiled.append(generate(s))
+                graphs.append(counter.frame_count - before)
+        assert graphs[0] >= 1 and sum(graphs[2:]) == 0, graphs
         tome.remove_patch(pipe)
         assert not tome.is_patched(pipe) and "progress_bar" not in vars(pipe)
         after = generate()
     finally:
         torch._dynamo.reset()
-    torch.testing.assert_close(compiled, eager)
-    assert not torch.equal(eager, unpatched)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+    assert not torch.equal(eager[0], unpatched)
     assert torch.equal(after, unpatched)
 
 
