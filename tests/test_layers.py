@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
 
 # Bottom to top. A module may import from its own layer and the ones below.
 LAYERS = [
-    ("tome.requirements", "tome.console", "tome.brackets"),
+    ("tome.requirements", "tome.console", "tome.brackets", "tome.ratio"),
     ("tome.merge",),
     ("tome.methods",),
     ("tome.schedule",),  # the DiT schedule: which factor pools which block when
@@ -32,7 +32,7 @@ LAYERS = [
     ("tome.report",),
     ("tome.handle",),   # the patch handle: what a host drives a ModelPatcher patch by
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
-    ("tome.modelpatcher", "tome.percall"),
+    ("tome.modelpatcher", "tome.percall", "tome.processors_calls"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
      "tome.swap", "tome.percall_runner"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract

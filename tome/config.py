@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dit, methods
+from .ratio import MAX_STRIDE, RATIO_RULE, check_ratio, ratio_limit  # noqa: F401 (the hosts')
 
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
@@ -22,26 +23,6 @@ POLICIES = ("fixed", "auto")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 # "auto" in the UI / API; None in the library.
 AUTO = "auto"
-
-
-MAX_STRIDE = 8
-RATIO_RULE = "1 - 1/(sx*sy) (0.75 for a 2x2 stride)"
-
-
-def ratio_limit(sx: int, sy: int) -> float:
-    """The real maximum ratio: every cell keeps one destination, so at most 1 - 1/(sx*sy) of the
-    tokens merge. The one place this rule lives."""
-    return 1.0 - 1.0 / (sx * sy)
-
-
-def check_ratio(name: str, value: Any, sx: int, sy: int, note: str = "") -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a ratio a ``sx x sy`` stride
-    allows."""
-    top = ratio_limit(sx, sy)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0.0 <= value <= top + 1e-9:
-        raise ValueError(f"ToMe: invalid {name}={value!r}: must be in [0, {top:g}] for a "
-                         f"{sx}x{sy} stride (1 - 1/(sx*sy)){note}")
 
 
 def _meta(label: str, infotext: str, help: str, **kw: Any) -> dict[str, Any]:
@@ -149,6 +130,12 @@ class ToMeConfig:
         "step (cond and uncond apart) until the generation ends; what it will keep is checked "
         "against free memory first, and where that is short it keeps less or turns off and "
         "says so. 0: off.", minimum=0, maximum=20, step=1))
+    refreshes: int = field(default=0, metadata=_meta(
+        "DiT reuse refreshes", "ToMe refreshes",
+        "DiTs with residual reuse: refresh this many times per generation, spread over its "
+        "steps (every steps / N steps, at least 2), so the same setting holds at 4, 8, 20 or "
+        "50 steps; where the host does not tell the step count, and at 0, every 'reuse' "
+        "steps.", minimum=0, maximum=20, step=1))
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:
@@ -389,7 +376,7 @@ DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
     "fast": ({"schedule": "all:2@0.3-1"},)}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
 #: ``max_downsample``).
-DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse")
+DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse", "refreshes")
 
 
 def preset(name: str, **changes: Any) -> ToMeConfig:

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import brackets, budget, console, dit, dits, merge, percall, percall_calls, policy
+from . import brackets, budget, dit, dits, percall, percall_calls, processors_calls
 from . import plan as _plan
 from .config import ToMeConfig
-from .layout import Block, Layout, uncompiled
+from .layout import Block, Layout
 from .report import PROCESSORS, STATE_ATTR, PatchReport
 
 
@@ -56,9 +56,9 @@ class _State(percall_calls.Counts, percall.Flags):
         self.p: float | None = None    # this call's sampling progress, where read
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
-        self.reuse = _attend.Reuse(config.reuse)
+        self.reuse = _attend.Reuse(config.reuse, refreshes=config.refreshes)
         self.budget: budget.ReuseBudget | None = None  # what reuse may keep (``apply``)
-        self.hooks: _Hooks | None = None
+        self.hooks: processors_calls.Hooks | None = None
         self.removed = False           # removed while torch held its call hook
         self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
         self.joined: list[Any] = []    # the wrappers and shadows whose residuals reuse keeps
@@ -91,65 +91,6 @@ class _State(percall_calls.Counts, percall.Flags):
         if f not in self.plans:
             self.plans[f] = base.with_factor(f)
         return self.plans[f]
-
-
-class _Hooks:
-    """The transformer's pre- and post-hook: start and end a call."""
-
-    def __init__(self, state: _State):
-        self.state = state
-
-    def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
-        st = self.state
-        st.plan = None
-        if st.removed or st.family.call is None:  # removed while torch held this call's hooks
-            return
-        st.push()  # no plan until this call's is known (a call that raised left its own)
-        counted = not merge.compiling()  # a compiled model's calls are not counted
-        if counted:
-            st.flags.clear()
-            st.flags["call"] = True
-            self.seen, self.placed = st.tally.total(), False
-        d = st.layout.dit
-        got = st.family.call(d, args, kwargs, st.memo)
-        if got is None:
-            return
-        if counted:
-            self.placed = True
-        x, size, st.text, t = got
-        c = st.planner.config  # its window is the schedule's
-        read = st.schedule.varies() or st.reuse.every > 0
-        if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1 or read):
-            t = t * d.timestep_scale
-        st.plans, st.p = {}, None
-        call = st.planner.begin(size, x.device, t, x.shape[0])
-        if call is not None:  # an image's h x w tokens, a video's frames x h x w
-            n = policy.level_tokens(size, d.patch)
-            st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
-            if st.plan is not None and read and t is not None:
-                _progress(st, x, size, t)
-        st.push()
-
-    def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        st = self.state
-        active = st.plan is not None
-        st.plan = None
-        st.push()
-        if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
-            if not st.flags.get("fired"):  # compiled blocks record nothing: replayed calls
-                st.flags.update(fired=True, pooled=active)
-            st.count_call(st.flags, self.seen, self.placed, active)
-
-
-@merge.host_side
-def _progress(st: _State, x: torch.Tensor, size: Any, t: Any) -> None:
-    """The one host read of a call (as the planner's window), only where needed: the
-    progress, reuse's state and the memory budget (eager under a whole-model compile)."""
-    tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
-    st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
-    st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
-    if st.budget is not None:  # what reuse will keep, checked before it keeps it
-        st.schedule = st.budget.begin(x, size, st.text, st.p)
 
 
 # ----------------------------------------------------------------------------- processors
@@ -372,7 +313,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     state.reuse.order = tuple(i for i, _ in targets)
     if config.reuse:
         state.budget = budget.ReuseBudget(layout, config, state.reuse.order, state.reuse, report)
-    hooks = state.hooks = _Hooks(state)
+    hooks = state.hooks = processors_calls.Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
@@ -385,44 +326,13 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
             if isinstance(ours, PoolingProcessor):
                 ours.pushed = True
                 state.parts.append(ours)
-        state.wrapped += brackets.shadow(model, _generation)
+        state.wrapped += brackets.shadow(model, processors_calls.generation)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)
         vars(root).pop(STATE_ATTR, None)
         raise
     return report
-
-
-def _states(pipe: Any) -> list[_State]:
-    """The patch states of a pipeline's transformers (the second: Wan 2.2 A14B's expert),
-    found under a compiled module too."""
-    found = []
-    for name in ("transformer", "transformer_2"):
-        module = uncompiled(getattr(pipe, name, None))  # compiled after patching
-        state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
-        if isinstance(state, _State):
-            found.append(state)
-    return found
-
-
-def _generation(pipe: Any) -> Any:
-    """What a pipeline's generation bracket does (``brackets.Bracket``): at its start, what
-    residual reuse kept is dropped and the counts are noted; at its end (also on an error or
-    an interrupt) dropped again, and one line per patched transformer says what its calls
-    did (the per-call hosts' after-sampling line), unless the generation was interrupted."""
-    states = _states(pipe)
-    since = [(st, st.counts(), st.tallies()) for st in states]
-    for st in states:
-        st.reset()
-
-    def end(failed: bool) -> None:
-        for st, counts, tallies in since:
-            st.reset()
-            if not failed and not st.removed and st.calls > counts[0]:  # compiled: uncounted
-                say = st.budget.say if st.budget is not None else console.line
-                say(st.not_pooled(counts) or percall_calls.line(st.tallies(), tallies))
-    return end
 
 
 def _remove(state: _State) -> None:

@@ -17,6 +17,15 @@ from torch import nn
 from .. import dit
 
 
+def reuse_words(config: Any) -> str:
+    """``residual reuse every 5 steps``, or paced to the sampling: ``residual reuse 4
+    times per generation (else every 5 steps)``."""
+    if getattr(config, "refreshes", 0):
+        return (f"residual reuse {config.refreshes} times per generation (where the step "
+                f"count is unknown, every {config.reuse} steps)")
+    return f"residual reuse every {config.reuse} steps"
+
+
 @dataclass(frozen=True)
 class Dit:
     """What a DiT adds to its blocks: where its image tokens are and how its calls look."""
@@ -48,7 +57,7 @@ class Dit:
             return f"{config.method}: no DiT form, not pooled"
         parts = [dit.schedule_of(config).describe()]
         if config.reuse:
-            parts.append(f"residual reuse every {config.reuse} steps")
+            parts.append(reuse_words(config))
         parts.append("proportional attention" if config.proportional else "plain pooling")
         return "; ".join(parts) + (f"; rope {config.rope}" if self.rope else "")
 
@@ -61,7 +70,7 @@ class Dit:
         parts = [dit.schedule_of(config).describe() if config.schedule
                  else f"downsample x{config.downsample_factor}"]
         if config.reuse:
-            parts.append(f"residual reuse every {config.reuse} steps")
+            parts.append(reuse_words(config))
         return "; ".join(parts)
 
     def method(self, config: Any) -> Any:
