@@ -187,30 +187,30 @@ def test_a_block_a_cache_skipped_on_its_refresh_refreshes_at_its_next_call():
     assert moved == [(5, 7)]
 
 
-def test_refreshes_spread_over_the_steps_the_host_tells():
-    """``refreshes`` N: every ``steps / N`` steps (rounded, at least 2), at any step count;
-    without a step count, or at 0, every ``reuse`` steps (hand-computed)."""
-    assert [reuse_mod.period(5, 4, n) for n in (4, 8, 20, 50)] == [2, 2, 5, 12]
-    assert reuse_mod.period(5, 4, None) == 5 and reuse_mod.period(5, 0, 8) == 5
-    r = reuse_mod.Reuse(5, refreshes=4)
+def test_a_paced_period_follows_the_square_root_of_the_steps():
+    """``paced``: ``reuse`` N is the period at 20 steps, scaled by sqrt(steps / 20), at least
+    2; without a step count, unpaced, or with reuse off: N (hand-computed)."""
+    assert [reuse_mod.period(5, True, n) for n in (4, 8, 20, 50)] == [2, 3, 5, 8]
+    assert [reuse_mod.period(10, True, n) for n in (4, 8, 50)] == [4, 6, 16]
+    assert reuse_mod.period(5, True, None) == 5 and reuse_mod.period(5, False, 8) == 5
+    assert reuse_mod.period(1, True, 50) == 2 and reuse_mod.period(0, True, 8) == 0
+    r = reuse_mod.Reuse(5, paced=True)
     r.pace(50)
-    assert r.every == 12
+    assert r.every == 8
     r.pace(None)
     assert r.every == 5
-    off = reuse_mod.Reuse(0, refreshes=4)
-    off.pace(8)
-    assert off.every == 0
 
 
 def test_a_pipeline_paces_refreshes_to_its_step_count(monkeypatch):
-    """A pipeline of 8 steps with ``refreshes=2``: refreshes at steps 0 and 4 (every 4), where
-    ``reuse=5`` alone refreshes at 0 and 5; each a full call per block."""
+    """A pipeline of 8 steps with reuse 5 paced: refreshes at steps 0, 3 and 6 (every 3),
+    where unpaced it refreshes at 0 and 5; the quality preset is paced."""
+    assert tome.preset("quality").paced and tome.preset("fast").paced
     m = tinydit.load_model()
     pipe, embeds = tiny_flux_pipeline(m)
     fulls = {}
-    for refreshes in (0, 2):
-        tome.apply_patch(pipe, method="downsample", schedule="all:8", reuse=5,
-                         refreshes=refreshes, policy="fixed")
+    for paced in (False, True):
+        tome.apply_patch(pipe, method="downsample", schedule="all:8", reuse=5, paced=paced,
+                         policy="fixed")
         probe = _Probe(monkeypatch, m)
         try:
             with torch.no_grad():
@@ -219,8 +219,8 @@ def test_a_pipeline_paces_refreshes_to_its_step_count(monkeypatch):
         finally:
             probe.close()
             tome.remove_patch(pipe)
-        fulls[refreshes] = sorted({s for s, _, f in probe.calls if f})
-    assert fulls == {0: [0, 5], 2: [0, 4]}
+        fulls[paced] = sorted({s for s, _, f in probe.calls if f})
+    assert fulls == {False: [0, 5], True: [0, 3, 6]}
 
 
 def test_the_generation_bracket_resets_diffusers_caches_between_images():

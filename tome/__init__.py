@@ -120,7 +120,7 @@ def patch_handle(model: Any) -> _adapters.PatchHandle | None:
 def generation(model: Any, steps: int | None = None) -> Iterator[Any]:
     """One generation on a patched ``model``: what the patch keeps across steps (residual
     reuse) is dropped on entering and on leaving, also on an error or an interrupt;
-    ``steps``: its step count, which paces reuse's refreshes (``ToMeConfig.refreshes``). Every
+    ``steps``: its step count, which paces reuse's refreshes (``ToMeConfig.paced``). Every
     host bracket opens it (a diffusers pipeline's denoising loop, ComfyUI's run callbacks,
     the WebUI's generation); open it yourself around a hand-written sampling loop or an
     unknown host's. Without it a bare model cannot tell an interrupted generation from the

@@ -175,7 +175,7 @@ class Core(Counts):
             return None, None
         n = len(self.kinds)
         counts = [budget.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
-        reuse = attend.Reuse(self.applied.reuse, refreshes=self.applied.refreshes)
+        reuse = attend.Reuse(self.applied.reuse, paced=self.applied.paced)
         reuse.order = tuple(i for i, c in enumerate(counts) if c)
         for i in range(n):
             reuse.join(i)

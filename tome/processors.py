@@ -56,7 +56,7 @@ class _State(percall_calls.Counts, percall.Flags):
         self.p: float | None = None    # this call's sampling progress, where read
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
-        self.reuse = _attend.Reuse(config.reuse, refreshes=config.refreshes)
+        self.reuse = _attend.Reuse(config.reuse, paced=config.paced)
         self.budget: budget.ReuseBudget | None = None  # what reuse may keep (``apply``)
         self.hooks: processors_calls.Hooks | None = None
         self.removed = False           # removed while torch held its call hook

@@ -280,7 +280,7 @@ def rate(images: list[tuple[int, int]], rounds: int, progress=None) -> list[dict
     rows = []
     for steps in RATE_STEPS:
         every = [n for n in (2, 3, 4, 5, 7, 10, 12) if n < steps]
-        specs = [None] + [tome.preset("quality", policy="fixed", reuse=n, refreshes=0)
+        specs = [None] + [tome.preset("quality", policy="fixed", reuse=n, paced=False)
                           for n in every]
         imgs: list[list[torch.Tensor]] = [[] for _ in specs]
         times = [[0.0] * rounds for _ in specs]

@@ -18,12 +18,10 @@ from .. import dit
 
 
 def reuse_words(config: Any) -> str:
-    """``residual reuse every 5 steps``, or paced to the sampling: ``residual reuse 4
-    times per generation (else every 5 steps)``."""
-    if getattr(config, "refreshes", 0):
-        return (f"residual reuse {config.refreshes} times per generation (where the step "
-                f"count is unknown, every {config.reuse} steps)")
-    return f"residual reuse every {config.reuse} steps"
+    """``residual reuse every 5 steps``; ``..., paced to the step count`` (``ToMeConfig.paced``:
+    that period at 20 steps)."""
+    paced = ", paced to the step count" if getattr(config, "paced", False) else ""
+    return f"residual reuse every {config.reuse} steps{paced}"
 
 
 @dataclass(frozen=True)
