@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rate", action="store_true",
                    help="only the refresh rate scan: pooling alone at 4, 8, 20, 50 steps")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: the table, verdict and plot of earlier runs' stack.json")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     images = [(k % 4, k) for k in range(min(a.images, 8))]
@@ -348,12 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     rows: list[dict[str, Any]] = []
-    for name in a.runs.split(","):
-        rows += run(name, images, a.rounds, progress)
-        (out / "stack.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(file=sys.stderr)
-    text = (f"tiny DiT, {len(images)} images, {a.rounds} timed rounds, one CPU thread\n\n"
-            + table(rows) + "\n\n" + verdict(rows))
+    if a.merge:
+        for path in a.merge:
+            rows += json.loads(Path(path).read_text())
+        head = "tiny DiT, one CPU thread, runs merged from " + ", ".join(a.merge)
+    else:
+        for name in a.runs.split(","):
+            rows += run(name, images, a.rounds, progress)
+            (out / "stack.json").write_text(json.dumps(rows, indent=1, default=str))
+        print(file=sys.stderr)
+        head = f"tiny DiT, {len(images)} images, {a.rounds} timed rounds, one CPU thread"
+    text = head + "\n\n" + table(rows) + "\n\n" + verdict(rows)
     (out / "stack.md").write_text(text + "\n")
     plot(rows, out / "stack.png")
     print(text)
