@@ -239,9 +239,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.6 * len(runs), 4.4), squeeze=False)
+    cols = min(2, len(runs))
+    nrows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4.2 * nrows), squeeze=False)
     marks = {"cache": ("o", "tab:blue"), "ToMe": ("^", "black"), "stack": ("D", "tab:red")}
-    for ax, name in zip(axes[0], runs):
+    for ax, name in zip(axes.flat, runs):
         for r in rows:
             if r["run"] != name or family(r) == "none":
                 continue
