@@ -231,8 +231,8 @@ def test_the_summary_never_names_blocks_the_schedule_overrides(lines):
     nodes.apply(_flux(), preset("quality", policy="fixed", blocks="double"))
     nodes.apply(_flux(), ToMeConfig(method="downsample", policy="fixed", blocks="double"))
     assert [x for x in lines if x.startswith("ToMe: comfy flux DiT")] == [
-        "ToMe: comfy flux DiT, x8 in double blocks; residual reuse every 5 steps, paced to the "
-        "step count; 2/4 blocks pooled (rope before)",
+        "ToMe: comfy flux DiT, x8 in double blocks; residual reuse every 5 steps (paced to the "
+        "step count); 2/4 blocks pooled (rope before)",
         "ToMe: comfy flux DiT, downsample x2; 2/4 blocks pooled (blocks double, rope before)"]
 
 

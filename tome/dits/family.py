@@ -18,9 +18,9 @@ from .. import dit
 
 
 def reuse_words(config: Any) -> str:
-    """``residual reuse every 5 steps``; ``..., paced to the step count`` (``ToMeConfig.paced``:
-    that period at 20 steps)."""
-    paced = ", paced to the step count" if getattr(config, "paced", False) else ""
+    """``residual reuse every 5 steps``; ``... (paced to the step count)``
+    (``ToMeConfig.paced``: that period at 20 steps; no comma: an infotext value)."""
+    paced = " (paced to the step count)" if getattr(config, "paced", False) else ""
     return f"residual reuse every {config.reuse} steps{paced}"
 
 
