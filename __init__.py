@@ -7,6 +7,8 @@ else of this repository becomes importable). A module named ``tome`` imported ea
 elsewhere (another node pack, or a pip package) is refused with a clear message instead of
 running someone else's code. The AUTOMATIC1111 WebUI never imports this file (its entry point is
 ``scripts/token_merging.py``); ComfyUI serves ``web/`` (``WEB_DIRECTORY``) to its frontend.
+The nodes are ComfyUI V3 nodes where ComfyUI has that schema, classic ones elsewhere
+(``tome.comfy.entry_points``).
 """
 
 import importlib.util
@@ -38,10 +40,16 @@ def _load_tome():
 
 _load_tome()
 
-from tome.comfy import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+from tome.comfy import entry_points  # noqa: E402
+
+# The nodes: ``comfy_entrypoint`` (ComfyUI's V3 schema) where this ComfyUI has it, else the
+# classic NODE_CLASS_MAPPINGS and NODE_DISPLAY_NAME_MAPPINGS (never both: the loader would take
+# the classic ones). The same node ids and inputs either way.
+_names = entry_points()
+globals().update(_names)
 
 # The frontend extension ComfyUI serves with the pack (web/tome.js: the node's advanced inputs
 # folded in the classic canvas, a chosen preset filling the inputs).
 WEB_DIRECTORY = "./web"
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+__all__ = [*_names, "WEB_DIRECTORY"]

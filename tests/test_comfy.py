@@ -271,7 +271,8 @@ def _load_pack(code: str, cwd: Path) -> subprocess.CompletedProcess:
         "m = importlib.util.module_from_spec(spec); sys.modules['tome_pack'] = m\n"
         "spec.loader.exec_module(m)\n")
     env = {**os.environ, "PYTHONPATH": STUB}
-    show = "print(sorted(m.NODE_CLASS_MAPPINGS), sys.modules['tome'].__file__)"
+    show = ("print(sorted(getattr(m, 'NODE_CLASS_MAPPINGS', None) or m.__all__),"
+            " sys.modules['tome'].__file__)")
     return subprocess.run([sys.executable, "-c", code + load + show],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
@@ -279,7 +280,7 @@ def _load_pack(code: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_repository_loads_as_a_custom_node_pack(tmp_path):
     done = _load_pack("", tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "['ToMeMeasure', 'ToMeTokenMerging']" in done.stdout
+    assert "['WEB_DIRECTORY', 'comfy_entrypoint']" in done.stdout  # the stub has the V3 schema
     assert str(ROOT / "tome" / "__init__.py") in done.stdout
     other = tmp_path / "tome"
     other.mkdir()
@@ -295,6 +296,13 @@ def test_pyproject_has_the_registry_table():
     assert comfy_table["PublisherId"] and comfy_table["DisplayName"]
     assert "comfyui" not in data["project"]["name"].lower()  # a registry rule
     assert data["project"]["dependencies"] == ["torch>=2.0"]  # nothing ComfyUI lacks
+    assert comfy_table["requires-comfyui"] == ">=0.8.0"  # comfy-cli reads it in [tool.comfy]
+    # the icon the registry will show (its URL is set on publishing): a small square SVG
+    import xml.etree.ElementTree as ET
+    svg = ET.parse(ROOT / "docs" / "icon.svg").getroot()
+    assert svg.tag.endswith("svg") and svg.get("width") == svg.get("height")
+    _, _, w, h = svg.get("viewBox").split()
+    assert w == h and (ROOT / "docs" / "icon.svg").stat().st_size < 4096
 
 
 # ----------------------------------------------------------------------------- DiTs

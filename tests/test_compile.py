@@ -64,18 +64,41 @@ def _regional(m, sizes, **kw):
     return graphs, outs
 
 
-def test_regional_fullgraph_pools_every_size_and_cfg_with_the_graphs_of_the_unpatched(model):
+@pytest.fixture(scope="module")
+def plain(model):
+    """Graphs per size and batch of the unpatched model, compiled the same way."""
+    return _regional(copy.deepcopy(model), SIZES)[0]
+
+
+def test_regional_fullgraph_pools_every_size_and_cfg_with_the_graphs_of_the_unpatched(model,
+                                                                                      plain):
     """Plain x2 pooling, blocks compiled with ``fullgraph=True``: eight sizes and batches run
     (before: the fifth raised ``FailOnRecompileLimitHit``: a graph per size, guarding on the
     plan's ``h``), no size needs more graphs than the unpatched model's, none after the sizes
     went dynamic, and each output is the eager patched one."""
-    plain, _ = _regional(copy.deepcopy(model), SIZES)
     m = copy.deepcopy(model)
     tome.apply_patch(m, method="downsample", downsample_factor=2)
     eager = [_euler(m, s, b) for s, b in SIZES]
     graphs, outs = _regional(m, SIZES)
     assert graphs == plain, (graphs, plain)
     assert sum(graphs[3:]) == 0
+    for got, want in zip(outs, eager):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["quality", "fast"])
+def test_regional_fullgraph_runs_the_reuse_presets_at_every_size(model, plain, name):
+    """The DiT presets with residual reuse (every 2 steps here, so three steps hold a
+    refresh, a reuse and a second refresh with its slope), blocks compiled ``fullgraph``:
+    every size and CFG's batch run (before: the second size raised ``FailOnRecompileLimitHit``,
+    reuse's states nothing-kept, refresh and reuse each a graph per size), with the graphs of
+    the unpatched model (a refreshing call runs eager: ``reuse._Eager``), and the eager
+    patched outputs."""
+    m = copy.deepcopy(model)
+    tome.apply_patch(m, config=tome.preset(name, policy="fixed", reuse=2))
+    eager = [_euler(m, s, b, steps=3) for s, b in SIZES]  # each size starts anew: progress
+    graphs, outs = _regional(m, SIZES, steps=3)
+    assert graphs == plain, (graphs, plain)
     for got, want in zip(outs, eager):
         torch.testing.assert_close(got, want)
 
@@ -110,23 +133,28 @@ def _pipeline(m):
     return pipe, generate
 
 
+PIPE_SIZES = (96, 64, 128, 80)
+
+
 @pytest.mark.parametrize("order", ["patch, then compile", "compile, then patch"])
 def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, order):
     """``pipe.transformer = torch.compile(pipe.transformer)`` after (or before) patching with
-    the quality preset: generations run (before: ``TypeError: ... does not support len()``
-    from the generation bracket, then dynamo tracing the memory budget's words) and give the
-    eager patched latents; ``remove_patch(pipe)`` finds the module under the compiled one
-    (before: ``UnsupportedModelError``, the bracket left on the pipeline) and the next
-    generation is the unpatched one, bit for bit."""
+    the quality preset: generations at four sizes run with dynamo's recompile limit an error
+    (before: ``TypeError: ... does not support len()`` from the generation bracket, then a
+    graph per size from the hooks' Python ints until the limit), no graph after the second
+    size, and give the eager patched latents; ``remove_patch(pipe)`` finds the module under
+    the compiled one (before: ``UnsupportedModelError``, the bracket left on the pipeline)
+    and the next generation is the unpatched one, bit for bit."""
     m = copy.deepcopy(model)
     pipe, generate = _pipeline(m)
     unpatched = generate()
     config = tome.preset("quality", policy="fixed")
     tome.apply_patch(pipe, config=config)
-    eager = generate()
+    eager = [generate(s) for s in PIPE_SIZES]
     tome.remove_patch(pipe)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
+    graphs = []
     try:
         if order == "patch, then compile":
             tome.apply_patch(pipe, config=config)
@@ -137,15 +165,21 @@ def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, ord
                 warnings.simplefilter("ignore")
                 tome.apply_patch(pipe, config=config)
         assert tome.is_patched(pipe)
-        compiled = generate()
-        assert counter.frame_count >= 1
+        compiled = []
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for s in PIPE_SIZES:
+                before = counter.frame_count
+                compiled.append(generate(s))
+                graphs.append(counter.frame_count - before)
+        assert graphs[0] >= 1 and sum(graphs[2:]) == 0, graphs
         tome.remove_patch(pipe)
         assert not tome.is_patched(pipe) and "progress_bar" not in vars(pipe)
         after = generate()
     finally:
         torch._dynamo.reset()
-    torch.testing.assert_close(compiled, eager)
-    assert not torch.equal(eager, unpatched)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+    assert not torch.equal(eager[0], unpatched)
     assert torch.equal(after, unpatched)
 
 

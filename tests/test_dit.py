@@ -15,7 +15,7 @@ from stubs import compiles_like_eager, fake_clock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import dit, layout, measure, memory, processors
+from tome import dit, layout, measure, memory, processors, wrappers
 from tome.config import ToMeConfig
 from tome.dits import sd3 as sd3_family
 from tome.measurements import MeasurementCache, Measurer
@@ -126,7 +126,7 @@ def test_joint_attention_matches_a_hand_written_reference(flux, rope):
     hs, ehs = torch.randn(2, H * W, 32, generator=g), torch.randn(2, T, 32, generator=g)
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()])) if rope else None
     plan = dit.DitPlan(H, W, f, rope or "pooled")
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, T))
     with torch.no_grad():
         out, ctx_out = wrapper(attn, hs, ehs, None, emb)
 
@@ -326,7 +326,7 @@ def test_pooling_adds_few_ops_and_no_host_sync(flux):
     hs, ehs = torch.randn(2, H * W, 32), torch.randn(2, T, 32)
     counts = {}
     for rope in ("before", "pooled"):
-        wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+        wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(
             dit.DitPlan(H, W, 2, rope), T))
         with torch.no_grad():
             wrapper(attn, hs, ehs, None, emb)  # the call's first block pools the positions
@@ -344,7 +344,7 @@ def test_pooling_adds_few_ops_and_no_host_sync(flux):
 def test_pooled_attention_compiles_in_one_graph(flux):
     attn = flux.transformer_blocks[0].attn
     emb = flux.pos_embed(torch.cat([torch.zeros(T, 3), _ids()]))
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(
         dit.DitPlan(H, W, 2, "pooled"), T))
     compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb),
                         torch.randn(2, H * W, 32), torch.randn(2, T, 32))

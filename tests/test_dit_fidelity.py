@@ -17,7 +17,7 @@ from models import randomised
 from stubs import compiles_like_eager
 
 import tome
-from tome import attend, dit, processors
+from tome import attend, dit, processors, wrappers
 from tome.config import PRESETS, ToMeConfig, preset
 
 diffusers = pytest.importorskip("diffusers")
@@ -112,7 +112,7 @@ def test_flux_processor_bias_against_repeated_keys(f):
         n = T + H * W  # rotation by zero positions: the identity (the reference has no RoPE)
         emb = (torch.ones(n, 16, dtype=torch.float64), torch.zeros(n, 16, dtype=torch.float64))
         plan = dit.DitPlan(H, W, f, "pooled", proportional=True)
-        wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+        wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, T))
         with torch.no_grad():
             out = wrapper(attn, hs, ehs, None, emb)
             # Reference: the original processor, image keys/values made cell means.
@@ -136,7 +136,7 @@ def test_sd3_joint_processor_bias_against_repeated_keys():
     hs = torch.randn(2, H * W, 16, generator=g, dtype=torch.float64)
     ehs = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
     plan = dit.DitPlan(H, W, 2, "pooled", proportional=True)
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, T))
     with torch.no_grad():
         out = wrapper(attn, hs, ehs)
         # [B, S, heads*D] outputs: image first, the hooks see only image tokens
@@ -222,7 +222,7 @@ def test_residual_reuse_keeps_full_minus_pooled_and_adds_it_between_refreshes():
     plan = dit.DitPlan(H, W, 2, "pooled", proportional=True)
     src = _Source(plan, 2)
     reusing = processors.PoolingProcessor(attn.processor, src)
-    pooled = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+    pooled = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, T))
     g = torch.Generator().manual_seed(3)
     kept = slope = None
     # progress of each call; 0.0 again: a new generation starts with a refresh
@@ -432,7 +432,7 @@ def test_biased_pooled_attention_compiles_in_one_graph(monkeypatch, path):
     ids[T:, 1] = torch.arange(H).repeat_interleave(W)
     ids[T:, 2] = torch.arange(W).repeat(H)
     emb = flux.pos_embed(ids)
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(
         dit.DitPlan(H, W, 2, "pooled", proportional=True), T))
     compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, None, emb),
                         torch.randn(2, H * W, 32), torch.randn(2, T, 32))

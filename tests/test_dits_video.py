@@ -12,7 +12,7 @@ from models import randomised
 from stubs import fake_clock
 
 import tome
-from tome import dit, layout, processors
+from tome import dit, layout, processors, wrappers
 from tome.measurements import MeasurementCache, Measurer
 
 diffusers = pytest.importorskip("diffusers")
@@ -156,7 +156,7 @@ def test_wan_self_attention_matches_a_hand_written_per_frame_reference(wan, rope
     hs = torch.randn(2, F_ * H * W, 24, generator=g)
     cos, sin = wan.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
     plan = dit.DitPlan(H, W, f, rope, proportional, F_)
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, 0))
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, 0))
     with torch.no_grad():
         out = wrapper(attn, hs, None, None, (cos, sin))
 
@@ -373,7 +373,7 @@ def test_qwen_pooled_call_matches_a_hand_written_reference(qwen, rope, proportio
     keep = torch.tensor([[True] * T, [True] * (T - 2) + [False] * 2])
     img, txt = model.pos_embed([[(1, H, W), (1, 4, 6)]] * 2, max_txt_seq_len=T)
     plan = dit.DitPlan(H, W, f, rope, proportional)
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, T))
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, T))
 
     def reference(sign=1.0):
         def heads(x):
@@ -555,7 +555,7 @@ def test_hunyuan_video_pooled_call_matches_a_hand_written_per_frame_reference(
     cos, sin = model.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
     assert cos.shape[0] == n
     plan = dit.DitPlan(H, W, f, rope, proportional, F_)
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(plan, 0))
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(plan, 0))
     with torch.no_grad():
         out, ctx = wrapper(attn, hs, ehs, mask, (cos, sin))
         args = (attn, hs, ehs, keep, cos, sin, f, rope, proportional)
@@ -586,7 +586,7 @@ def test_wan_pooling_adds_few_ops_and_no_host_sync(wan):
     attn = wan.blocks[0].attn1
     hs = torch.randn(2, F_ * H * W, 24)
     emb = wan.rope(torch.empty(1, 0, F_, 2 * H, 2 * W))
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(
         dit.DitPlan(H, W, 2, "pooled", True, F_), 0))
     with torch.no_grad():
         wrapper(attn, hs, None, None, emb)  # the call's first block pools the positions
@@ -617,7 +617,7 @@ def test_qwen_pooled_attention_compiles_in_one_graph(qwen):
     from stubs import compiles_like_eager
     attn = qwen.transformer_blocks[0].attn
     emb = qwen.pos_embed([(1, H, W)], max_txt_seq_len=T, device=torch.device("cpu"))
-    wrapper = processors.PoolingProcessor(attn.processor, processors._Fixed(
+    wrapper = processors.PoolingProcessor(attn.processor, wrappers.Fixed(
         dit.DitPlan(H, W, 2, "pooled", True), T))
     compiles_like_eager(lambda hs, ehs: wrapper(attn, hs, ehs, image_rotary_emb=emb),
                         torch.randn(2, H * W, 32), torch.randn(2, T, 32))

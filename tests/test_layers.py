@@ -23,6 +23,7 @@ LAYERS = [
     ("tome.reuse",),    # residual reuse: what it keeps, per thread, block part and identity
     ("tome.attend",),   # attention over pooled keys: the bias per kernel
     ("tome.kv",),       # one attention step for every DiT host: pool, rotate, bias, reuse
+    ("tome.parallel",),  # pooling under context parallelism: each rank's shard, or refused
     ("tome.percall_calls",),  # what a patch's model and attention calls did: counts, tally
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
     ("tome.config",),   # validates method names against the methods' registry
@@ -32,7 +33,7 @@ LAYERS = [
     ("tome.report",),
     ("tome.handle",),   # the patch handle: what a host drives a ModelPatcher patch by
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap
-    ("tome.modelpatcher", "tome.percall", "tome.processors_calls"),
+    ("tome.modelpatcher", "tome.percall", "tome.wrappers"),
     ("tome.patch", "tome.patcher", "tome.processors", "tome.measure", "tome.override",
      "tome.swap", "tome.percall_runner"),
     ("tome.adapters",),  # the one choice of adapter, from the layout and the host's contract
@@ -138,7 +139,7 @@ def test_adapters_and_the_measurement_never_import_each_other():
     """Measuring runs a block through whichever adapter's ``run_block`` it is handed: the
     timing room stays below both adapters, and neither adapter reaches up into it."""
     adapters = {"tome.patch", "tome.patcher", "tome.processors", "tome.override", "tome.swap",
-                "tome.percall", "tome.percall_runner", "tome.modelpatcher"}
+                "tome.percall", "tome.percall_runner", "tome.modelpatcher", "tome.wrappers"}
     measuring = {"tome.measure", "tome.measurements"}
     crossing = [f"{m} -> {d}" for m in adapters | measuring for d in GRAPH[m]
                 if {m, d} & adapters and {m, d} & measuring]
@@ -211,7 +212,8 @@ def test_no_library_module_is_over_450_lines():
 
 
 ADAPTER_MODULES = ("tome.percall", "tome.override", "tome.swap", "tome.patcher",
-                   "tome.modelpatcher", "tome.processors", "tome.patch", "tome.percall_runner")
+                   "tome.modelpatcher", "tome.processors", "tome.patch", "tome.percall_runner",
+                   "tome.wrappers")
 
 
 def test_the_host_layers_and_the_lab_import_no_adapter_module():

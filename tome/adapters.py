@@ -34,7 +34,7 @@ from . import (
     swap,
 )
 from .config import ToMeConfig
-from .dits.family import COMFYUI, FORGE_NEO
+from .dits.family import COMFYUI, FORGE_NEO, INVOKEAI
 from .handle import Callbacks, PatchHandle
 from .layout import Layout, read, uncompiled
 from .report import STATE_ATTR, PatchReport
@@ -68,7 +68,10 @@ def apply(model: Any, config: ToMeConfig, measurer: Any = None) -> PatchReport:
     layout = read(model)
     second = _second(model)
     remove(layout.root)
-    if layout.dit is not None:
+    form = invoke_form(layout.family) if layout.dit is not None else None
+    if form is not None:  # blocks calling a module-level attention: the swap, its own bracket
+        report = swap.patch_module(layout.root, layout, form, config)
+    elif layout.dit is not None:
         report = processors.apply(model, layout, config, measurer)
     else:
         report = patch.apply(model, config, measurer, layout)
@@ -116,7 +119,7 @@ def remove(model: Any, during_call: bool = False) -> Any:
     state = vars(root).get(STATE_ATTR)
     if during_call and getattr(state, "handles", None):
         _parked.append(state.handles.pop(0))
-    if not processors.remove(root):
+    if not processors.remove(root) and not swap.unpatch_module(root):
         patch.remove(root)
     return model
 
@@ -275,3 +278,8 @@ def comfy_spans(family: str) -> Callable | None:
 def neo_form(family: str) -> swap.Form | None:
     """A Forge Neo family's attention globals to swap and its call reading, or None."""
     return _form(FORGE_NEO, family, lambda p: swap.Form.of(p.points, p.spans))
+
+
+def invoke_form(family: str) -> swap.Form | None:
+    """An InvokeAI family's attention globals to swap and its call reading, or None."""
+    return _form(INVOKEAI, family, lambda p: swap.Form.of(p.points, p.spans))

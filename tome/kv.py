@@ -206,6 +206,8 @@ def attend_plan(wrapper: Any, kernel: Any, plan: dit.DitPlan, q: torch.Tensor,
     are rotated by ``emb``, keys per ``plan.rope`` (``positions(emb)``: the pooled
     embedding; default diffusers' ``(cos, sin)`` of ``[S, D]`` pooled on the plan's grid);
     residual reuse from ``wrapper.source.reuse``, keyed by ``wrapper``'s block."""
+    if getattr(plan, "around", None) is not None:  # Ulysses, cells across shards: parallel.py
+        return plan.around(attend_plan, wrapper, q, k, v, start, dim, emb, rotate)
     rotation = {} if emb is None else {
         "emb": emb, "rotate": rotate,
         "positions": positions or (lambda e: plan.cos_sin(e, start))}

@@ -284,6 +284,8 @@ class Core(Counts):
             with active(owner, state, chained):
                 yield
         finally:
+            if self.reuse is not None:
+                self.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
             pooled = bool(owner.flags.get("pooled"))
             if state is not None and state.reuse is not None:
                 if not pooled:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, NamedTuple
 
+from . import parallel
 from .merge import compiling
 
 # What an attention call did (``Tally`` keys), in the order the line names them.
@@ -113,6 +114,8 @@ class Counts:
             why = "its attention calls carry a mask (pooling would misalign it)"
         else:
             why = "no attention call had the lengths of this model's text and image tokens"
+        if active or not fired:  # a sequence-parallel host's attention bypasses ours
+            why = parallel.host_line() or why
         return f"ToMe: not pooled in this sampling ({calls} model calls): {why}"
 
 

@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from . import attend as _attend
-from . import brackets, budget, dit, dits, percall, percall_calls, processors_calls
+from . import brackets, budget, console, dit, dits, merge, parallel, percall, percall_calls, policy
 from . import plan as _plan
 from .config import ToMeConfig
-from .layout import Block, Layout
+from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
+from .wrappers import PoolingProcessor, block_problem, runner, unwrap, wrap
 
 
 class _State(percall_calls.Counts, percall.Flags):
@@ -58,7 +59,7 @@ class _State(percall_calls.Counts, percall.Flags):
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
         self.reuse = _attend.Reuse(config.reuse, paced=config.paced)
         self.budget: budget.ReuseBudget | None = None  # what reuse may keep (``apply``)
-        self.hooks: processors_calls.Hooks | None = None
+        self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
         self.parts: list[PoolingProcessor] = []  # the wrappers this state sets plans on
         self.joined: list[Any] = []    # the wrappers and shadows whose residuals reuse keeps
@@ -93,187 +94,72 @@ class _State(percall_calls.Counts, percall.Flags):
         return self.plans[f]
 
 
-# ----------------------------------------------------------------------------- processors
+class _Hooks:
+    """The transformer's pre- and post-hook: start and end a call."""
 
-def _maths_of(processor: Any) -> Any:
-    name = type(processor).__name__
-    return next((f.maths[name] for f in dits.families() if name in f.maths), None)
+    def __init__(self, state: _State):
+        self.state = state
 
+    @merge.host_side  # eager in a model compiled whole: its Python ints never guard a graph
+    def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
+        st = self.state
+        st.plan = None
+        if st.removed or st.family.call is None:  # removed while torch held this call's hooks
+            return
+        st.push()  # no plan until this call's is known (a call that raised left its own)
+        counted = not merge.compiling()  # a compiled model's calls are not counted
+        if counted:
+            st.flags.clear()
+            st.flags["call"] = True
+            self.seen, self.placed = st.tally.total(), False
+            self.pooled = st.tally[percall_calls.POOLED]
+        d = st.layout.dit
+        got = st.family.call(d, args, kwargs, st.memo)
+        if got is None:
+            return
+        if counted:
+            self.placed = True
+        x, size, st.text, t = got
+        c = st.planner.config  # its window is the schedule's
+        read = st.schedule.varies() or st.reuse.every > 0
+        if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1 or read):
+            t = t * d.timestep_scale
+        st.plans, st.p = {}, None
+        call = st.planner.begin(size, x.device, t, x.shape[0])
+        if call is not None:  # an image's h x w tokens, a video's frames x h x w
+            n = policy.level_tokens(size, d.patch)
+            st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
+            parallel.shard(st, x)  # context parallelism: this rank's shard, or refused
+            if st.plan is not None and read and t is not None:
+                _progress(st, x, size, t)
+        st.push()
 
-class PoolingProcessor:
-    """Wraps one attention module's processor (not an ``nn.Module``: the model's modules and
-    state dict stay as they were). ``source`` gives block ``index``'s plan (``plan_for``), the
-    text length and the reuse state (a patch's state, or a fixed plan when measuring);
-    ``maths`` (``dits.Family.maths``; default: the registered maths for the original's
-    class) runs a pooled call with the encoder states and rotary embedding, and as keywords
-    any other argument the original names that was given (e.g. a text mask). Every other
-    call goes to the original exactly as it came. diffusers' ``Attention`` hands a processor
-    only the keywords its signature names, so each wrapper shows its original's signature
-    (a subclass per original class, ``_signed``)."""
-
-    _names: tuple[str, ...] = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
-
-    def __new__(cls, original: Any = None, *args: Any, **kwargs: Any) -> PoolingProcessor:
-        signed = cls is PoolingProcessor and original is not None
-        return super().__new__(_signed(type(original)) if signed else cls)
-
-    def __init__(self, original: Any, source: Any, maths: Any = None, index: int = 0,
-                 kind: str = "double"):
-        self.original, self.source = original, source
-        self.maths = maths if maths is not None else _maths_of(original)
-        self.index, self.kind = index, kind
-        self._extra = self.maths is not None and _takes_extra(self.maths)
-        # a patch's state sets this call's plan on the wrapper (``_State.push``); other
-        # sources (measuring) are asked
-        self.pushed, self.current = False, None
-
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, *args: Any,
-                 **kwargs: Any) -> Any:
-        plan = self.current if self.pushed else self.source.plan_for(self.index, self.kind)
-        if plan is not None and self.maths is not None:
-            named = dict(zip(self._names, args), **kwargs)
-            ehs = named.pop("encoder_hidden_states", None)
-            emb = named.pop("image_rotary_emb", None)
-            emb = named.pop("rotary_emb", None) if emb is None else emb
-            extra = {k: v for k, v in named.items() if v is not None}
-            if not extra or self._extra:
-                out = self.maths(self, attn, plan, hidden_states, ehs, emb, **extra)
-                if out is not NotImplemented:
-                    percall_calls.record(self.source, percall_calls.POOLED)
-                    return out
-            percall_calls.record(self.source, percall_calls.CROSS)
-        else:
-            percall_calls.record(self.source, percall_calls.OUTSIDE if plan is None
-                                 else percall_calls.X1)
-        return self.original(attn, hidden_states, *args, **kwargs)
-
-
-_SIGNED: dict[type, type] = {}
-
-
-def _signed(original: type) -> type:
-    """The ``PoolingProcessor`` subclass for processors of class ``original``: its call shows
-    the original's signature (what diffusers filters a call's keywords by) and knows its
-    parameter names after ``(attn, hidden_states)``; whether the maths take extra keywords
-    (``_extra``) is read per instance."""
-    import inspect
-
-    cls = _SIGNED.get(original)
-    if cls is None:
-        try:
-            sig = inspect.signature(original.__call__)
-        except (TypeError, ValueError):
-            sig = inspect.signature(PoolingProcessor.__call__)
-        params = list(sig.parameters)
-
-        def call(self: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tensor,
-                 *args: Any, **kwargs: Any) -> Any:
-            return PoolingProcessor.__call__(self, attn, hidden_states, *args, **kwargs)
-        call.__signature__ = sig  # type: ignore[attr-defined]
-        cls = _SIGNED[original] = type("PoolingProcessor", (PoolingProcessor,), {
-            "__call__": call, "__qualname__": "PoolingProcessor",
-            "_names": tuple(p for p in params[3:] if p not in ("args", "kwargs"))})
-    return cls
+    @merge.host_side
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        st = self.state
+        active = st.plan is not None
+        st.plan = None
+        st.push()
+        if st.reuse.every:
+            st.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
+        if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
+            if not st.flags.get("fired") and not getattr(module, "is_cache_enabled", False):
+                st.flags.update(fired=True, pooled=active)  # compiled blocks record nothing
+            # (a step cache's skipped call reaches no attention either: not a replayed one)
+            st.count_call(st.flags, self.seen, self.placed, active)
+            # what reuse did: refreshed, a refresh a step cache skipped moved here
+            st.settled(st.reuse.settle(), st.tally[percall_calls.POOLED] - self.pooled)
 
 
-def _takes_extra(maths: Any) -> bool:
-    import inspect
-    try:
-        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(maths).parameters.values())
-    except (TypeError, ValueError):
-        return False
-
-
-# ----------------------------------------------------------------------------- blocks
-
-def block_problem(block: nn.Module, family: dits.Family) -> str | None:
-    """Why a DiT block stays unpooled, or None: a processor its family does not reproduce
-    (another extension's or library's, e.g. IP-Adapter), one wrapped by a patch of ours, or
-    the family's own reason (``Family.check``)."""
-    attns = family.attentions(block)
-    if not attns:
-        return f"unsupported block variant {type(block).__qualname__}: no attn"
-    for a in attns:
-        if family.shadow is None:
-            processor = getattr(a, "processor", None)
-            name = type(processor).__name__
-            if isinstance(processor, PoolingProcessor):
-                return "already pooled by another ToMe patch"
-            if name not in family.maths:
-                return (f"attention processor {name} is not one ToMe reproduces (e.g. "
-                        "IP-Adapter's)")
-        problem = family.check(a) if family.check is not None else None
-        if problem:
-            return problem
-    return None
-
-
-def _wrap(block: nn.Module, family: dits.Family, source: Any, index: int = 0,
-          kind: str = "double") -> list[tuple[nn.Module, str, Any, Any]]:
-    """Put the pooled path on ``block``: (module, attribute, before, ours) per change."""
-    if family.shadow is not None:
-        return family.shadow(block, source, index, kind)
-    done = []
-    for a in family.attentions(block):
-        before = original = a.processor
-        if isinstance(original, PoolingProcessor):  # measuring a patched block: one wrapper
-            original = original.original
-        ours = PoolingProcessor(original, source, family.maths.get(type(original).__name__),
-                                index, kind)
-        a.processor = ours
-        done.append((a, "processor", before, ours))
-    return done
-
-
-def _unwrap(wrapped: list[tuple[nn.Module, str, Any, Any]]) -> None:
-    """Put back what was there, where ours is still in place (an instance attribute that was
-    not there is deleted)."""
-    for module, name, before, ours in reversed(wrapped):
-        if vars(module).get(name) is ours:
-            if before is None:
-                del vars(module)[name]
-            else:
-                setattr(module, name, before)
-    wrapped.clear()
-
-
-# ----------------------------------------------------------------------------- one block
-
-class _Fixed:
-    """A plan source (``attend.Source``) for one measured run: ``plan`` for every block, no
-    reuse."""
-
-    def __init__(self, plan: Any, text: int, reuse: Any = None):
-        self.plan, self.text, self.p = plan, text, None
-        self.reuse = reuse if reuse is not None else _attend.Reuse(0)
-
-    def plan_for(self, index: int, kind: str) -> Any:
-        return self.plan
-
-
-def runner(layout: Layout, reuse: int = 0):
-    """``run_block(block, x, context, planner, plan)`` for ``measure``: one DiT block on image
-    tokens ``x`` with the inputs its family draws for it (``Family.inputs``: a text of the
-    family's length, a time embedding, positions), pooled by ``plan`` (None: unpooled),
-    through the same wrapper a patched block runs; the block is restored. ``reuse`` (the
-    settings' N): a pooled run also costs what reuse adds per step (``attend.Refresh``), so the
-    auto policy weighs what the generation will run."""
-    family = dits.of(layout)
-    refresh = _attend.Refresh(reuse) if reuse else None
-
-    def run_block(block: nn.Module, x: torch.Tensor, context: Any, planner: _plan.Planner,
-                  plan: Any) -> Any:
-        args, kwargs = family.inputs(layout, x, planner.size)
-        source = _Fixed(plan, layout.dit.text_tokens, refresh if plan is not None else None)
-        wrapped = _wrap(block, family, source)
-        try:
-            return block(*args, **kwargs)
-        finally:
-            _unwrap(wrapped)
-    # a video family's inputs build the video grid's positions: its grids are timed as the
-    # generation pools them, per frame (``Measurer.get``), as the per-call hosts' runner
-    run_block.video = getattr(layout.dit, "frame_patch", None) is not None
-    return run_block
+@merge.host_side
+def _progress(st: _State, x: torch.Tensor, size: Any, t: Any) -> None:
+    """The one host read of a call (as the planner's window), only where needed: the
+    progress, reuse's state and the memory budget (eager under a whole-model compile)."""
+    tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
+    st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
+    st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
+    if st.budget is not None:  # what reuse will keep, checked before it keeps it
+        st.schedule = st.budget.begin(x, size, st.text, st.p)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -288,6 +174,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     # A schedule may pool where the plain factor is 1: only a method without a DiT form or
     # settings that name no block pool nothing (factor 1 runs the pooled maths, bit for bit
     # the library's). Then nothing is installed, as for settings that change nothing.
+    parallel.check(root)  # context parallelism ToMe cannot pool right: refused
     report.unmergeable = layout.unmergeable(config)
     if report.unmergeable:
         return report
@@ -313,12 +200,12 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     state.reuse.order = tuple(i for i, _ in targets)
     if config.reuse:
         state.budget = budget.ReuseBudget(layout, config, state.reuse.order, state.reuse, report)
-    hooks = state.hooks = processors_calls.Hooks(state)
+    hooks = state.hooks = _Hooks(state)
     try:
         state.handles.append(root.register_forward_pre_hook(hooks.call_pre, with_kwargs=True))
         state.handles.append(root.register_forward_hook(hooks.post, with_kwargs=True))
         for i, b in targets:
-            state.wrapped += _wrap(b.module, family, state, i, b.kind)
+            state.wrapped += wrap(b.module, family, state, i, b.kind)
         for *_, ours in state.wrapped:  # the parts that keep residuals (on themselves)
             if hasattr(ours, "index") and config.reuse:
                 ours.reuse_pos = state.reuse.join(ours.index)
@@ -326,7 +213,7 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
             if isinstance(ours, PoolingProcessor):
                 ours.pushed = True
                 state.parts.append(ours)
-        state.wrapped += brackets.shadow(model, processors_calls.generation)
+        state.wrapped += brackets.shadow(model, _generation)
         setattr(root, STATE_ATTR, state)
     except BaseException:
         _remove(state)
@@ -335,13 +222,49 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
     return report
 
 
+def _states(pipe: Any) -> list[_State]:
+    """The patch states of a pipeline's transformers (the second: Wan 2.2 A14B's expert),
+    found under a compiled module too."""
+    found = []
+    for name in ("transformer", "transformer_2"):
+        module = uncompiled(getattr(pipe, name, None))  # compiled after patching
+        state = vars(module).get(STATE_ATTR) if isinstance(module, nn.Module) else None
+        if isinstance(state, _State):
+            found.append(state)
+    return found
+
+
+def _generation(pipe: Any, steps: int | None = None) -> Any:
+    """What a pipeline's generation bracket does (``brackets.Bracket``): at its start, what
+    residual reuse kept is dropped, its refreshes paced to the ``steps`` (``Reuse.pace``),
+    diffusers' step caches reset and the counts noted; at its end (also on an error or
+    an interrupt) dropped again, and one line per patched transformer says what its calls
+    did (the per-call hosts' after-sampling line), unless the generation was interrupted."""
+    states = _states(pipe)
+    since = [(st, st.counts(), st.tallies()) for st in states]
+    for st in states:
+        st.reset()
+        st.reuse.pace(steps)
+        st.forget_steps()
+    brackets.reset_caches(pipe)
+
+    def end(failed: bool) -> None:
+        for st, counts, tallies in since:
+            st.reset()
+            if not failed and not st.removed and st.calls > counts[0]:  # compiled: uncounted
+                say = st.budget.say if st.budget is not None else console.line
+                say(st.not_pooled(counts) or percall_calls.line(
+                    st.tallies(), tallies, percall_calls.steps_of(st)))
+    return end
+
+
 def _remove(state: _State) -> None:
     state.removed, state.plan = True, None  # a hook torch still holds for a call: inert
     state.reuse.reset()                     # nothing kept past removal
     for h in state.handles:
         h.remove()
     state.handles.clear()
-    _unwrap(state.wrapped)
+    unwrap(state.wrapped)
 
 
 def remove(root: nn.Module) -> bool:

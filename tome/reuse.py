@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import merge
+
 
 @dataclass(frozen=True)
 class Keep:
@@ -63,6 +65,36 @@ def period(every: int, paced: bool, steps: int | None) -> int:
     return max(min(every, 2), round(every * math.sqrt(steps / PACE_STEPS)))
 
 
+class _Eager:
+    """Compiled code run eagerly while any thread's call refreshes
+    (``torch.compiler.set_stance("force_eager")``, torch >= 2.6; before, nothing changes).
+    A refresh also runs the unpooled attention and writes what is kept: compiled, it would be
+    a graph of its own per size for every block (nothing kept yet, refresh, reuse: dynamo's
+    recompile limit of 8 came at the second size). Eager, the graphs see reuse's one state,
+    1 call in N, and need no more graphs per size than the unpatched model. Process-wide and
+    counted (the stance is the process's): the first refresh enters, the last leaves."""
+
+    def __init__(self) -> None:
+        self.lock, self.depth, self.held = threading.Lock(), 0, None
+
+    def enter(self) -> None:
+        with self.lock:
+            set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+            if set_stance is not None and self.depth == 0:
+                self.held = set_stance("force_eager")  # set now; leaving restores the stance
+            self.depth += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.depth = max(self.depth - 1, 0)
+            if self.depth == 0 and self.held is not None:
+                held, self.held = self.held, None
+                held.__exit__(None, None, None)
+
+
+EAGER = _Eager()
+
+
 class Slot:
     """One block part's residuals in one thread's generation (a ``Lane``'s): what ``Reuse``
     keeps for it (identity -> factor -> (r, slope, at)) and, during a call, this call's
@@ -94,7 +126,10 @@ class Lane:
         self.slots = tuple(Slot(i, reuse.keeps(i), self) for i in reuse.indices)
         self.reset()
 
+    eager = False  # this lane holds ``EAGER`` (a refreshing call, until ``Reuse.end``)
+
     def reset(self) -> None:
+        self.leave()
         for slot in self.slots:
             slot.kept, slot.cur, slot.was, slot.due = {}, None, None, False
             slot.fresh, slot.owed = {}, {}
@@ -105,6 +140,11 @@ class Lane:
         self.before: int | None = None      # its last refresh before this call (``missed``)
         self.active = self.refresh = False
         self.now = torch.zeros(())          # the step, a 0-dim tensor (a graph input)
+
+    def leave(self) -> None:
+        if self.eager:
+            self.eager = False
+            EAGER.leave()
 
     def settle(self, every: int) -> Settled | None:
         """What the call that just ran did with its parts, read on the host after it: which
@@ -166,9 +206,9 @@ class Reuse:
 
     Compiled blocks (``torch.compile``, fullgraph): everything a block reads is decided on
     the host before the call (``begin``: the lane's ``active``, ``refresh``, the step as a
-    0-dim tensor ``now`` on the call's device, each slot's ``cur``), so a block's graph guards
-    on a few flags only (nothing kept yet, refresh, reuse) and steps and identities do not
-    recompile."""
+    0-dim tensor ``now`` on the call's device, each slot's ``cur``), and a refreshing call
+    runs eagerly (``_Eager``; its bracket calls ``end``), so a compiled block only ever sees
+    reuse's one state: steps, identities and refreshes do not recompile."""
 
     def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True,
                  paced: bool = False):
@@ -288,6 +328,7 @@ class Reuse:
         else the noise levels seen are counted."""
         lane = self.lane()
         lane.settle(self.every)  # a call whose host did not settle it (it raised)
+        lane.leave()  # a call that raised before its end
         lane.who, lane.active = None, False
         for slot in lane.slots:
             slot.cur = slot.was = None
@@ -318,6 +359,17 @@ class Reuse:
             slot.due = lane.refresh or who in slot.owed or (
                 last is not None and lane.step - last >= self.every)
         lane.active = True
+        if any(slot.due for slot in lane.slots if slot.on):  # compiled blocks see one
+            lane.eager = True                                  # state (``_Eager``)
+            EAGER.enter()
+
+    @merge.host_side
+    def end(self) -> None:
+        """This thread's model call ended (its bracket's exit): compiled code runs compiled
+        again where no other thread's call refreshes (eager inside a compiled model)."""
+        lane = getattr(self._local, "lane", None)
+        if lane is not None:
+            lane.leave()
 
     def settle(self) -> Settled | None:
         """This thread's call that just ran, settled on the host (``Lane.settle``): the

@@ -29,18 +29,20 @@ attention goes in as the mask where the host's kernel adds one.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from . import budget, kv, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .modelpatcher import MARK
-from .report import PatchReport, Unread
+from .report import STATE_ATTR, PatchReport, Unread
 
 SWAP = "attention swap"  # how this adapter reaches the blocks (``PatchReport.adapter``)
 KERNEL = ("backend.attention", "attention_function")  # the kernel Neo picked at import
@@ -59,6 +61,7 @@ class Point(NamedTuple):
     dim: int
     pe: tuple[int, str] | None = None
     mask: tuple[int, str] = (1, "mask")
+    always_rotates: bool = False  # takes no ``pe=None`` (InvokeAI): given the identity instead
 
 
 class Form(NamedTuple):
@@ -130,7 +133,8 @@ class Pooled:
         calls.count(swap.tally, calls.POOLED)
         pe = _arg(point.pe, args, kwargs) if point.pe is not None else None
         if pe is not None:  # the host rotates inside: the core rotates, pass no embedding on
-            args, kwargs = _with(point.pe, args, kwargs, None)
+            args, kwargs = _with(point.pe, args, kwargs, identity(pe) if point.always_rotates
+                                 else None)
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
             a, kw = (args, kwargs) if mask is None and _arg(point.mask, args, kwargs) is None \
@@ -141,6 +145,13 @@ class Pooled:
                                  rope=swap.applied.rope, pe=pe,
                                  bias="mask" if swap.masks else None,
                                  part=state.part(kind, index), mask=mask)
+
+
+def identity(pe: torch.Tensor) -> torch.Tensor:
+    """The rotation that leaves every pair as it is, ``[..., 1, D/2, 2, 2]`` (one position:
+    it broadcasts over the queries and the pooled keys alike), in ``pe``'s dtype."""
+    eye = torch.eye(2, dtype=pe.dtype, device=pe.device)
+    return eye.expand(*pe.shape[:-4], 1, pe.shape[-3], 2, 2)
 
 
 _POOLED: dict[Point, Pooled] = {}
@@ -224,6 +235,40 @@ class Swap(percall.Core, percall.Flags):
                 setattr(module, name, original)
             self.block = before
             self.plans.clear()
+
+
+def patch_module(model: nn.Module, layout: Any, form: Form, config: ToMeConfig,
+                 latent: str = "img", timestep: str = "timesteps") -> PatchReport:
+    """The same swap on a model held as a plain module whose blocks call a module-level
+    attention function (InvokeAI's Flux): its bracket is the module's own ``forward``, shadowed
+    on the instance (``unpatch_module`` deletes it), reading the ``latent`` and ``timestep``
+    arguments by name; timesteps are flow sigmas (progress ``1 - t``). A family file and this
+    choice of parts, no adapter of its own (``docs/development.md``, "Adding a host")."""
+    swap = Swap(config, layout, form, lambda p: 1.0 - p)
+    report = swap.report_as(SWAP)
+    if report.nothing:
+        return report
+    forward = model.forward
+    bind = inspect.signature(forward).bind
+
+    def bracketed(*args: Any, **kwargs: Any) -> Any:
+        c = dict(bind(*args, **kwargs).arguments)
+        x, t = c.pop(latent), c.pop(timestep)
+        return swap.run(lambda x, t, **c: forward(**{latent: x, timestep: t}, **c), x, t, **c)
+
+    model.forward = bracketed
+    setattr(model, STATE_ATTR, swap)
+    return report
+
+
+def unpatch_module(model: nn.Module) -> bool:
+    """Remove ``patch_module``'s swap from ``model``; whether there was one."""
+    if not isinstance(vars(model).get(STATE_ATTR), Swap):
+        return False
+    swap = vars(model).pop(STATE_ATTR)
+    vars(model).pop("forward", None)
+    swap.reset()
+    return True
 
 
 def wrapper_of(unet_patcher: Any) -> Callable | None:

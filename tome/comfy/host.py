@@ -12,7 +12,8 @@ inside a function, so the layer imports (and its tests run) without ComfyUI.
   attention), recognised by the mark on its override (its closure in v0.30.0) and decided
   by its own code;
 - ``patcher_names_missing``: ComfyUI's wrapper and callback kinds this ComfyUI lacks
-  (``adapters.comfy_name`` reads the others from it).
+  (``adapters.comfy_name`` reads the others from it);
+- ``node_api``: ComfyUI's V3 node schema (``comfy_api.latest``), where it has one.
 """
 
 from __future__ import annotations
@@ -123,6 +124,19 @@ def patcher_names_missing() -> list[str]:
     except Exception:  # noqa: BLE001 (not inside ComfyUI)
         return []
     return adapters.comfy_names_missing()
+
+
+def node_api() -> tuple[Any, Any] | None:
+    """``(io, ComfyExtension)`` from ``comfy_api.latest`` where this ComfyUI has the V3 node
+    schema (``io.ComfyNode``, ``io.Schema``; 0.8.0 and later), else None (an older ComfyUI, or
+    none: the classic ``NODE_CLASS_MAPPINGS`` then)."""
+    try:
+        from comfy_api.latest import ComfyExtension, io
+    except Exception:  # noqa: BLE001 (an older ComfyUI, or not inside ComfyUI)
+        return None
+    if not all(hasattr(io, name) for name in ("ComfyNode", "Schema", "NodeOutput")):
+        return None
+    return io, ComfyExtension
 
 
 def _declines(q: Any, k: Any, v: Any, dim_head: int) -> str | None:

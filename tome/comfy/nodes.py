@@ -1,6 +1,7 @@
 """The node pack: "ToMe (Token Merging)" (MODEL -> MODEL) and "ToMe Measure" (MODEL -> the
-measured speed-ups as a table and a plot). ComfyUI's classic node API, which every ComfyUI in
-use loads: ``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``, ``CATEGORY``.
+measured speed-ups as a table and a plot), declared in ComfyUI's classic node API
+(``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``, ``CATEGORY``); ``v3.py`` builds their V3 form
+from it, which a ComfyUI with ``comfy_api.latest`` loads instead.
 
 The patch node asks ``tome.adapters`` for a patched ModelPatcher clone: the input MODEL
 is never changed, and a node that fails leaves no patch. What it says goes to the console, one

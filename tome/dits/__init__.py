@@ -63,6 +63,7 @@ from . import (
     comfy_wan,
     flux,
     hunyuan_video,
+    invoke_flux,
     mmdit,
     neo_chroma,
     neo_flux,
@@ -75,9 +76,19 @@ from . import (
     sd3,
     wan,
 )
-from .family import COMFYUI, FORGE_NEO, Call, Dit, Family, HostPoint, by_class, latent_call
+from .family import (
+    COMFYUI,
+    FORGE_NEO,
+    INVOKEAI,
+    Call,
+    Dit,
+    Family,
+    HostPoint,
+    by_class,
+    latent_call,
+)
 
-__all__ = ["COMFYUI", "FORGE_NEO", "Call", "Dit", "Family", "HostPoint", "by_class",
+__all__ = ["COMFYUI", "FORGE_NEO", "INVOKEAI", "Call", "Dit", "Family", "HostPoint", "by_class",
            "latent_call", "register", "unregister", "families", "find", "of", "attention"]
 
 REGISTRY: dict[str, Family] = {}
@@ -157,6 +168,7 @@ BUILTIN = (
     neo_wan,
     neo_qwen,
     neo_lumina,
+    invoke_flux,
 )
 for _module in BUILTIN:
     register(_module.FAMILY)

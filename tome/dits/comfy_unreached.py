@@ -13,8 +13,11 @@ nothing in them: recognised, read (for the report) and said so in one line each,
 - Kandinsky 6 (``comfy.ldm.kandinsky6.model.Kandinsky6NativeAVDiT``, read at
   Comfy-Org/ComfyUI@4ab48ceb): its attention does reach the override (``block_index``
   named; fused video and audio blocks; a reference frame appended as the video's tail), but
-  the model is called with a joint video and audio latent (a pair, not one tensor), which
-  the override's ``apply_model`` wrapper does not read: said so, nothing installed;
+  the model is called with a joint video and audio latent (a pair, packed into one tensor
+  with ``latent_shapes`` where ``apply_model`` sees it), and its blocks' cross-modal calls
+  (audio queries over the video's keys, video queries over the audio's) cannot be told from
+  self-attention by key and query lengths alone (``kv.key_start``): said so, nothing
+  installed (docs/comfyui.md, "Newer ComfyUI");
 - Nunchaku (SVDQuant) models loaded by ComfyUI-nunchaku (its wrappers around ``nunchaku``'s
   transformers): attention in Nunchaku's own kernels (its Qwen-Image copy calls ComfyUI's
   attention without ``transformer_options`` too).

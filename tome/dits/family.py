@@ -163,7 +163,8 @@ def pooled_attentions(block: nn.Module) -> list[nn.Module]:
             if isinstance(a, nn.Module)]
 
 
-COMFYUI, FORGE_NEO = "comfyui", "forge neo"  # the hosts whose own patch points a family names
+# the hosts whose own patch points a family names (InvokeAI: Forge Neo's swap, its own bracket)
+COMFYUI, FORGE_NEO, INVOKEAI = "comfyui", "forge neo", "invokeai"
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class HostPoint:
     ``spans(model, x, c)``. Either ``spans`` gives ``kv.Spans``' fields, ``(text,
     text_first, before, frames, h, w, after)``, or None: that call is not pooled."""
 
-    host: str                                    # COMFYUI or FORGE_NEO
+    host: str                                    # COMFYUI, FORGE_NEO or INVOKEAI
     spans: Callable[..., tuple | None]
     points: tuple = ()
 
