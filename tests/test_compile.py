@@ -133,13 +133,13 @@ def _pipeline(m):
     return pipe, generate
 
 
-PIPE_SIZES = (96, 64, 128, 80)
+PIPE_SIZES = (96, 64, 128)
 
 
 @pytest.mark.parametrize("order", ["patch, then compile", "compile, then patch"])
 def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, order):
     """``pipe.transformer = torch.compile(pipe.transformer)`` after (or before) patching with
-    the quality preset: generations at four sizes run with dynamo's recompile limit an error
+    the quality preset: generations at three sizes run with dynamo's recompile limit an error
     (before: ``TypeError: ... does not support len()`` from the generation bracket, then a
     graph per size from the hooks' Python ints until the limit), no graph after the second
     size, and give the eager patched latents; ``remove_patch(pipe)`` finds the module under

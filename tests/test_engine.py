@@ -165,3 +165,25 @@ def test_the_patch_handle_is_what_a_host_holds(monkeypatch):
     assert line.startswith("ToMe: pooled ") and "attention calls" in line
     assert patch.held_bytes() == 0  # freed at the run's end (ComfyUI's on_cleanup)
 
+
+
+def test_a_worker_thread_that_ended_leaves_nothing_kept_behind():
+    """ComfyUI's MultiGPU samples in worker threads: what a finished thread's lane kept is
+    dropped when the next thread's lane is made (before: every thread's lane stayed, with its
+    residuals, for the patch's life)."""
+    from tome.reuse import Reuse
+
+    reuse = Reuse(5)
+    pos = reuse.join(0)
+
+    def sample():
+        reuse.begin(0.0, 1, (1, 2, 2))
+        reuse.around((reuse.parts()[pos], 2), torch.zeros(1, 4, 8), lambda: torch.ones(1, 4, 8))
+    worker = threading.Thread(target=sample)
+    worker.start()
+    worker.join()
+    assert reuse.held_bytes() > 0  # the ended thread's residual, until another lane is made
+    other = threading.Thread(target=reuse.lane)
+    other.start()
+    other.join()
+    assert reuse.held_bytes() == 0 and len(reuse._lanes) == 1

@@ -123,6 +123,7 @@ class Lane:
     threads: each keeps its own residuals, on its own device)."""
 
     def __init__(self, reuse: Reuse):
+        self.thread = threading.current_thread()
         self.slots = tuple(Slot(i, reuse.keeps(i), self) for i in reuse.indices)
         self.reset()
 
@@ -232,8 +233,11 @@ class Reuse:
         lane = getattr(self._local, "lane", None)
         if lane is None:
             lane = self._local.lane = Lane(self)
-            with self._lock:
-                self._lanes.append(lane)
+            with self._lock:  # a worker thread that ended leaves its lane (and what it kept)
+                dead = [x for x in self._lanes if not x.thread.is_alive()]
+                self._lanes = [x for x in self._lanes if x not in dead] + [lane]
+            for x in dead:
+                x.reset()
         return lane
 
     def join(self, index: int) -> int:
