@@ -16,6 +16,7 @@ from stubs import tiny_flux_pipeline
 
 import tome
 from tome import reuse as reuse_mod
+from tome import schedule
 from tome_lab import tinydit
 
 diffusers = pytest.importorskip("diffusers")
@@ -190,10 +191,10 @@ def test_a_block_a_cache_skipped_on_its_refresh_refreshes_at_its_next_call():
 def test_a_paced_period_follows_the_square_root_of_the_steps():
     """``paced``: ``reuse`` N is the period at 20 steps, scaled by sqrt(steps / 20), at least
     2; without a step count, unpaced, or with reuse off: N (hand-computed)."""
-    assert [reuse_mod.period(5, True, n) for n in (4, 8, 20, 50)] == [2, 3, 5, 8]
-    assert [reuse_mod.period(10, True, n) for n in (4, 8, 50)] == [4, 6, 16]
-    assert reuse_mod.period(5, True, None) == 5 and reuse_mod.period(5, False, 8) == 5
-    assert reuse_mod.period(1, True, 50) == 2 and reuse_mod.period(0, True, 8) == 0
+    assert [schedule.period(5, True, n) for n in (4, 8, 20, 50)] == [2, 3, 5, 8]
+    assert [schedule.period(10, True, n) for n in (4, 8, 50)] == [4, 6, 16]
+    assert schedule.period(5, True, None) == 5 and schedule.period(5, False, 8) == 5
+    assert schedule.period(1, True, 50) == 2 and schedule.period(0, True, 8) == 0
     r = reuse_mod.Reuse(5, paced=True)
     r.pace(50)
     assert r.every == 8

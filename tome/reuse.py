@@ -6,7 +6,6 @@ every family's maths put around a pooled attention (``Reuse.around``).
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -14,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import merge
+from .schedule import period
 
 
 @dataclass(frozen=True)
@@ -48,21 +48,6 @@ def kept_as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         return t
     top = torch.finfo(dtype).max
     return (t.clamp(-top, top) if top < torch.finfo(t.dtype).max else t).to(dtype)
-
-
-#: The step count at which a paced ``reuse`` N holds as given (``period``).
-PACE_STEPS = 20
-
-
-def period(every: int, paced: bool, steps: int | None) -> int:
-    """Steps between refreshes: ``every`` at 20 steps, scaled with the square root of the
-    step count where ``paced`` and the host tells it (N=5: 2 at 4 steps, 3 at 8, 8 at 50;
-    never below 2 from above), else ``every``. Measured on the tiny DiT (quality's x8), that
-    kept 31-34 dB from 4 to 20 steps (50: 7 gave 31.3 dB) where a fixed period 5 ranged
-    23-34 dB and 4 refreshes per generation 29-40 dB (docs/quality.md#stacked-with-step-caches)."""
-    if not paced or not steps or not every:
-        return every
-    return max(min(every, 2), round(every * math.sqrt(steps / PACE_STEPS)))
 
 
 class _Eager:
