@@ -110,7 +110,7 @@ def test_a_cache_that_skips_steps_keeps_reuses_refreshes(lines, monkeypatch, fam
     (each of cond and uncond: the unpooled keys once per pooled block), so a refresh the
     cache skipped happens at the next computed step and the steps the cache skipped count;
     the graph repeats identically and differs from the cache alone; the line after the
-    sampling names the skipped steps."""
+    sampling names the skipped steps and each refresh the cache moved (due -> ran)."""
     from comfy.model_sampling import simple_sigmas
     base = dit_model(family)
     node = getattr(nodes_easycache, cache)()
@@ -131,9 +131,13 @@ def test_a_cache_that_skips_steps_keeps_reuses_refreshes(lines, monkeypatch, fam
     assert not {step_index(sigmas, s) for s, _ in seen} & skipped  # no attention there
     where = "inside the model" if cache == "EasyCache" else "before the model call"
     numbers = ", ".join(map(str, sorted(skipped)))
+    # a refresh due 3 steps after the last that the cache skipped, and where it ran
+    moved = [f"{a + 3}->{b}" for a, b in zip(expected, expected[1:]) if b > a + 3]
+    assert moved
     assert lines[told:][-1].endswith(
         f"; steps skipped by a cache {len(skipped)} of 12 ({where}: {numbers}); residual "
-        f"reuse refreshed at steps {', '.join(map(str, expected))}")
+        f"reuse refreshed at steps {', '.join(map(str, expected))}; refreshes a cache "
+        f"skipped, moved to the next computed step: {', '.join(moved)}")
     assert "model calls not reaching it" not in lines[-1]
     assert torch.isfinite(out).all() and not torch.equal(out, without)
     assert torch.equal(sample(both, family), out)

@@ -162,14 +162,15 @@ def _full_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_true_cfg_refreshes_every_5_steps_and_says_the_ladder_once(lines, monkeypatch, capsys,
-                                                                   batched):
+def test_true_cfg_refreshes_at_the_paced_period_and_says_the_ladder_once(lines, monkeypatch,
+                                                                         capsys, batched):
     """True CFG (cfg 2) over 10 steps, twice; free memory for one call's float32 residuals
     and slopes, which is also both calls' in bfloat16. Cond and uncond as two calls: the
     uncond's first call steps the ladder down to bfloat16 and what the cond kept is converted,
     not dropped; the second generation budgets for both from its first call. As one batched
-    call, both from the start. Either way each call refreshes at steps 0 and 5 only (4 blocks
-    each), and the ladder's line comes once."""
+    call, both from the start. Either way each call refreshes at steps 0, 4 and 8 only (4
+    blocks each: the preset's 5 at 20 steps, paced to 10: round(5 * sqrt(10 / 20)) = 4), and
+    the ladder's line comes once."""
     one = 2 * 4 * BLOCKS * (TEXT + IMAGE) * WIDTH  # one call: residual + slope in float32
     monkeypatch.setattr(memory, "available",
                         lambda device: _free(one, 2 if batched else 1, 4))
@@ -178,7 +179,7 @@ def test_true_cfg_refreshes_every_5_steps_and_says_the_ladder_once(lines, monkey
     capsys.readouterr()
     for generation in (1, 2):
         _sample(ours, steps=10, cfg=2.0, batched=batched)
-        assert full() == generation * 2 * (1 if batched else 2) * BLOCKS
+        assert full() == generation * 3 * (1 if batched else 2) * BLOCKS
         assert core.budget.keep == attend.Keep(dtype=torch.bfloat16)
         assert core.budget.need == one  # both calls in 16 bits
     said = [x for x in capsys.readouterr().out.splitlines() if "residual reuse" in x]
@@ -230,8 +231,8 @@ def test_the_summary_never_names_blocks_the_schedule_overrides(lines):
     nodes.apply(_flux(), preset("quality", policy="fixed", blocks="double"))
     nodes.apply(_flux(), ToMeConfig(method="downsample", policy="fixed", blocks="double"))
     assert [x for x in lines if x.startswith("ToMe: comfy flux DiT")] == [
-        "ToMe: comfy flux DiT, x8 in double blocks; residual reuse every 5 steps; 2/4 blocks "
-        "pooled (rope before)",
+        "ToMe: comfy flux DiT, x8 in double blocks; residual reuse every 5 steps (paced to the "
+        "step count); 2/4 blocks pooled (rope before)",
         "ToMe: comfy flux DiT, downsample x2; 2/4 blocks pooled (blocks double, rope before)"]
 
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from . import adapters as _adapters
+from . import brackets as _brackets
 from . import config as _config
 from . import patch as _patch
 from .config import PRESETS, ToMeConfig, preset
@@ -116,18 +117,23 @@ def patch_handle(model: Any) -> _adapters.PatchHandle | None:
 
 
 @contextmanager
-def generation(model: Any) -> Iterator[Any]:
+def generation(model: Any, steps: int | None = None) -> Iterator[Any]:
     """One generation on a patched ``model``: what the patch keeps across steps (residual
-    reuse) is dropped on entering and on leaving, also on an error or an interrupt. Every
+    reuse) is dropped on entering and on leaving, also on an error or an interrupt;
+    ``steps``: its step count, which paces reuse's refreshes (``ToMeConfig.paced``). Every
     host bracket opens it (a diffusers pipeline's denoising loop, ComfyUI's run callbacks,
     the WebUI's generation); open it yourself around a hand-written sampling loop or an
     unknown host's. Without it a bare model cannot tell an interrupted generation from the
-    next img2img at the same size (progress going back is its only sign)."""
-    _adapters.reset(model)
+    next img2img at the same size (progress going back is its only sign). diffusers' step
+    caches on it (FirstBlockCache, MagCache, TaylorSeer hooks) start anew too, patched or
+    not: their state would carry one image's features into the next."""
+    _adapters.reset(model, steps)
+    _brackets.reset_caches(model)
     try:
         yield model
     finally:
         _adapters.reset(model)
+        _brackets.reset_caches(model)
 
 
 def is_patched(model: Any) -> bool:

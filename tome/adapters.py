@@ -124,14 +124,15 @@ def remove(model: Any, during_call: bool = False) -> Any:
     return model
 
 
-def reset(model: Any) -> None:
+def reset(model: Any, steps: int | None = None) -> None:
     """Drop what our patch on ``model`` keeps across steps (a generation's start or end):
-    a pipeline's transformers, a module, a ModelPatcher clone, a Forge model's pass patcher."""
+    a pipeline's transformers, a module, a ModelPatcher clone, a Forge model's pass patcher;
+    ``steps``: the coming generation's step count, where known (``PatchHandle.reset``)."""
     for m in (model, _second(model),
               getattr(getattr(model, "forge_objects", None), "unet", None)):
         found = handle(m) if m is not None else None
         if found is not None:
-            found.reset()
+            found.reset(steps)
 
 
 _parked: list[Any] = []  # call hooks of patches removed during a call (``remove``)

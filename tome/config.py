@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dit, methods
+from .ratio import MAX_STRIDE, RATIO_RULE, check_ratio, ratio_limit  # noqa: F401 (the hosts')
 
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
@@ -22,26 +23,6 @@ POLICIES = ("fixed", "auto")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 # "auto" in the UI / API; None in the library.
 AUTO = "auto"
-
-
-MAX_STRIDE = 8
-RATIO_RULE = "1 - 1/(sx*sy) (0.75 for a 2x2 stride)"
-
-
-def ratio_limit(sx: int, sy: int) -> float:
-    """The real maximum ratio: every cell keeps one destination, so at most 1 - 1/(sx*sy) of the
-    tokens merge. The one place this rule lives."""
-    return 1.0 - 1.0 / (sx * sy)
-
-
-def check_ratio(name: str, value: Any, sx: int, sy: int, note: str = "") -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a ratio a ``sx x sy`` stride
-    allows."""
-    top = ratio_limit(sx, sy)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0.0 <= value <= top + 1e-9:
-        raise ValueError(f"ToMe: invalid {name}={value!r}: must be in [0, {top:g}] for a "
-                         f"{sx}x{sy} stride (1 - 1/(sx*sy)){note}")
 
 
 def _meta(label: str, infotext: str, help: str, **kw: Any) -> dict[str, Any]:
@@ -149,6 +130,12 @@ class ToMeConfig:
         "step (cond and uncond apart) until the generation ends; what it will keep is checked "
         "against free memory first, and where that is short it keeps less or turns off and "
         "says so. 0: off.", minimum=0, maximum=20, step=1))
+    paced: bool = field(default=False, metadata=_meta(
+        "DiT reuse paced to steps", "ToMe paced",
+        "DiTs with residual reuse: 'reuse' is the period at 20 steps, scaled with the square "
+        "root of the step count (N=5: every 2 steps at 4, 3 at 8, 8 at 50), which kept the "
+        "image about as close at 4 to 50 steps on the tiny DiT (docs/quality.md). Where the "
+        "host does not tell the step count, or off: every 'reuse' steps."))
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:
@@ -368,11 +355,13 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
 # preset gives the same image on every path). On the tiny DiT (8 images, 20 steps, one
 # thread of a CPU) 31.5 dB and 26.9 dB, where ``rope="pooled"`` gave 30.8 and 26.0 dB at
 # about the same speed (within this CPU's noise); x2 throughout gives 22.3 dB, and no step
-# window or block choice without reuse came close. Full-size Flux is not measured.
+# window or block choice without reuse came close. Full-size Flux is not measured. The
+# period is paced to the step count (``paced``: 5 at 20 steps, 3 at 8, 2 at 4): a fixed 5
+# refreshed once in 4 or 8 steps (23.3 and 26.9 dB; paced 31.9 and 34.4 dB).
 DIT_PRESETS: dict[str, dict[str, Any]] = {
-    "quality": {"schedule": "all:8", "reuse": 5, "rope": "before"},
+    "quality": {"schedule": "all:8", "reuse": 5, "paced": True, "rope": "before"},
     "balanced": {},  # merge has no DiT form: a DiT is left as it is
-    "fast": {"schedule": "all:8", "reuse": 10, "rope": "before"},
+    "fast": {"schedule": "all:8", "reuse": 10, "paced": True, "rope": "before"},
 }
 PRESETS: dict[str, dict[str, Any]] = {k: {**v, **DIT_PRESETS[k]} for k, v in UNET_PRESETS.items()}
 #: The DiT points without residual reuse, for a host path that cannot reuse and for reuse
@@ -389,7 +378,7 @@ DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
     "fast": ({"schedule": "all:2@0.3-1"},)}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
 #: ``max_downsample``).
-DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse")
+DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse", "paced")
 
 
 def preset(name: str, **changes: Any) -> ToMeConfig:

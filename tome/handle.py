@@ -117,11 +117,15 @@ class PatchHandle:
         if budget is not None:
             budget.fixed = keep
 
-    def reset(self) -> None:
-        """Drop what the patch keeps across steps (a generation's end)."""
+    def reset(self, steps: int | None = None) -> None:
+        """Drop what the patch keeps across steps (a generation's start or end); ``steps``:
+        the next generation's step count, where known (reuse's refreshes are paced to it)."""
         reset = getattr(self._mark, "reset", None)
         if callable(reset):
             reset()
+        reuse = getattr(self._mark, "reuse", None)
+        if reuse is not None and hasattr(reuse, "pace"):
+            reuse.pace(steps)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PatchHandle) and other._mark is self._mark

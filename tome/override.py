@@ -163,7 +163,6 @@ class OverridePatch(percall.Core):
         super().__init__(config, layout, spans_of, percent_to_sigma, reuses=reuses)
         self.pool = KvPool(self.skipped, self.tally)
         self.on_call: Callable[[dict], Any] | None = None  # the host's look at each call's options
-        self.sigmas: tuple[Any, list[float]] = (None, [])  # the sampler's sigmas, read once
         self.steps: dict[int, list[int]] = {}  # this sampling: step -> [model calls, reaching us]
         self.last_chained: Any = None  # the other override last told (``_tell_chained``)
         self.read = Unread(layout.family)  # the family's ``spans``: raising passes through
@@ -184,22 +183,11 @@ class OverridePatch(percall.Core):
         """A sampling run starts (ComfyUI's ``on_pre_run``): reuse reset, steps counted anew."""
         self.run(True)
         self.steps.clear()
-        self.refreshed.clear()
+        self.forget_steps()
 
     def run_end(self, *_: Any) -> None:
         """A sampling run ends (ComfyUI's ``on_cleanup``, also after an error or interrupt)."""
         self.run(False)
-
-    def step_of(self, options: dict, sigma: Any) -> int | None:
-        """The sampler's step of this call (``sigma``: its sigma, read on the host): how many
-        of its sigmas (``sample_sigmas``, read once per sampling) lie above it; None without
-        them."""
-        schedule = options.get("sample_sigmas")
-        if not isinstance(schedule, torch.Tensor) or not isinstance(sigma, float):
-            return None
-        if self.sigmas[0] is not schedule:
-            self.sigmas = (schedule, schedule.reshape(-1).tolist())  # one read
-        return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
 
     def sampling(self) -> calls.Steps | None:
         """This sampling's steps (``percall_calls.Steps``): those a cache answered without our
@@ -212,7 +200,7 @@ class OverridePatch(percall.Core):
         inside = sorted(i for i, (_, fired) in self.steps.items() if not fired)
         return calls.Steps(steps, tuple(i for i in range(steps) if i not in self.steps),
                            tuple(inside), sum(self.steps[i][0] for i in inside),
-                           tuple(sorted(self.refreshed)))
+                           tuple(sorted(self.refreshed)), (), tuple(sorted(self.moved)))
 
     def wrapper(self, executor: Callable, *args: Any, **kwargs: Any) -> Any:
         """ComfyUI's ``apply_model`` wrapper: ``(executor, x, t, c_concat, c_crossattn,
@@ -235,7 +223,8 @@ class OverridePatch(percall.Core):
         step = self.step_of(options, sigma)
         state = None if spans is None else self.begin(
             spans, sigma, x.device, x.shape[0],
-            tuple(who) if isinstance(who, (list, tuple)) else None, x, step)
+            tuple(who) if isinstance(who, (list, tuple)) else None, x, step,
+            len(self.sigmas[1]) - 1 if step is not None else None)
         prev = options.get(OVERRIDE)
         if prev is self.pool:
             prev = None

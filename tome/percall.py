@@ -46,7 +46,7 @@ from . import attend, budget, dit, merge, plan
 from .config import ToMeConfig, without_reuse
 from .kv import CallState, Spans
 from .layout import Layout
-from .percall_calls import Counts
+from .percall_calls import POOLED, Counts
 from .report import PatchReport
 
 # The hosts' backends that add a float mask to the scores (broadcast over queries): ComfyUI's
@@ -159,6 +159,7 @@ class Core(Counts):
                                     method=dit.method_for(self.applied), window=window)
         self.reuse, self.budget = self._reuse(layout)
         self.runs, self._runs_lock = 0, threading.Lock()  # sampling runs under way (``run``)
+        self.sigmas: tuple[Any, list[float]] = (None, [])  # the sampler's sigmas, read once
         Counts.__init__(self, layout.family)
         self.report: Any = None
 
@@ -174,7 +175,7 @@ class Core(Counts):
             return None, None
         n = len(self.kinds)
         counts = [budget.factors(self.schedule, i, kind, n) for i, kind in enumerate(self.kinds)]
-        reuse = attend.Reuse(self.applied.reuse)
+        reuse = attend.Reuse(self.applied.reuse, paced=self.applied.paced)
         reuse.order = tuple(i for i, c in enumerate(counts) if c)
         for i in range(n):
             reuse.join(i)
@@ -215,13 +216,26 @@ class Core(Counts):
         self.report = report
         return report
 
+    def step_of(self, options: Any, sigma: Any) -> int | None:
+        """The sampler's step of this call (``sigma``: its sigma, read on the host): how many
+        of its sigmas (``sample_sigmas`` in the call's transformer options, read once per
+        sampling) lie above it; None without them."""
+        schedule = options.get("sample_sigmas") if isinstance(options, dict) else None
+        if not isinstance(schedule, torch.Tensor) or not isinstance(sigma, float):
+            return None
+        if self.sigmas[0] is not schedule:
+            self.sigmas = (schedule, schedule.reshape(-1).tolist())  # one read
+        return sum(s > sigma * (1 + 1e-4) for s in self.sigmas[1])
+
     def begin(self, spans: Spans, sigmas: Any, device: Any, batch: int, who: Any = None,
-              x: torch.Tensor | None = None, step: int | None = None) -> CallState | None:
+              x: torch.Tensor | None = None, step: int | None = None,
+              total: int | None = None) -> CallState | None:
         """This call's state, or None where it pools nothing (window, policy, no block pooled
         at this step). A ``sigmas`` tensor is read on the host once, only where a window, a
         per-step schedule or reuse needs it (a float: read already). ``who``: the host's
         identity of the call (``cond_or_uncond``); ``x``: its latent (the memory budget
-        reads it); ``step``: the sampler's step, where the host tells it (``Reuse.begin``)."""
+        reads it); ``step``: the sampler's step, where the host tells it (``Reuse.begin``),
+        and ``total`` its steps (reuse's refreshes paced to them, ``Reuse.pace``)."""
         if isinstance(sigmas, torch.Tensor):
             use = self.reuse is not None or self.schedule.varies() or not self.planner.window.full
             sigmas = float(sigmas.reshape(-1)[0]) if use and sigmas.numel() else None
@@ -237,6 +251,8 @@ class Core(Counts):
         if (schedule.varies() or self.reuse is not None) and sigmas is not None:
             progress = self.planner.window.progress(sigmas)
         reuse = None
+        if self.reuse is not None and total:
+            self.reuse.pace(total)
         if self.reuse is not None and progress is not None:
             self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device, step)
             if x is not None:  # what reuse will keep, checked before it keeps it
@@ -263,7 +279,7 @@ class Core(Counts):
         and counted whatever happens; ``on_silent`` told where the first call that ran with
         our attention ``installed`` never reached it."""
         owner.flags.clear()
-        seen = self.tally.total()
+        seen, before = self.tally.total(), self.tally[POOLED]
         try:
             with active(owner, state, chained):
                 yield
@@ -274,8 +290,7 @@ class Core(Counts):
             if state is not None and state.reuse is not None:
                 if not pooled:
                     state.reuse.missed()  # a cache answered it inside the model: refresh next
-                elif state.reuse.refresh:
-                    self.refreshed.add(state.reuse.step)
+                self.settled(state.reuse.settle(), self.tally[POOLED] - before)
             self.count_call(owner.flags, seen, spans is not None, state is not None, installed)
 
 

@@ -41,6 +41,9 @@ class Counts:
         # the settings at their step / that pooled at least one attention call (``counts``)
         self.tally: Counter = Counter()  # attention calls by outcome (``count``)
         self.refreshed: set[int] = set()  # steps whose calls refreshed reuse (host clears it)
+        self.moved: set[tuple[int, int]] = set()  # refreshes a cache skipped: (due, ran at)
+        self.ran: Counter = Counter()  # step -> pooled attention calls (``settled``)
+        self.empty = 0  # model calls with reuse that ran no pooled attention (a cache's)
         self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
         self.on_silent: Any = None  # told once: installed, never reached
 
@@ -61,6 +64,26 @@ class Counts:
             self.silent += 1
             if not self.fired and self.installed == 1 and self.on_silent is not None:
                 self.on_silent()
+
+    def settled(self, done: Any, pooled: int) -> None:
+        """A model call's reuse settled (``reuse.Settled``, or None), with its ``pooled``
+        attention calls: where it refreshed, the refreshes a step cache moved here, and per
+        step how many pooled attention calls ran (fewer than the most: a cache skipped
+        blocks)."""
+        if done is None:
+            return
+        self.ran[done.step] += pooled
+        self.empty += not pooled
+        if done.refreshed:
+            self.refreshed.add(done.step)
+        self.moved.update(done.moved)
+
+    def forget_steps(self) -> None:
+        """A sampling starts: its steps are counted anew."""
+        self.refreshed.clear()
+        self.moved.clear()
+        self.ran.clear()
+        self.empty = 0
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """The model calls so far: run, reaching our attention, placed by the family,
@@ -125,6 +148,24 @@ class Steps(NamedTuple):
     inside: tuple[int, ...]      # reached the model but not its attention (EasyCache)
     calls: int                   # the model calls of the ``inside`` steps
     refreshed: tuple[int, ...]   # steps whose calls refreshed residual reuse
+    partial: tuple[int, ...] = ()  # ran fewer pooled blocks than the most (FirstBlockCache)
+    moved: tuple[tuple[int, int], ...] = ()  # refreshes a cache skipped: (due, ran at)
+
+
+def steps_of(counts: Counts) -> Steps | None:
+    """What the steps of a sampling did, from the counts alone (a host that does not tell
+    its schedule: diffusers): the steps reuse counted, those where no pooled attention ran
+    or fewer than the most (a step cache skipped them or some blocks) and the refreshes;
+    None where reuse counted none."""
+    ran = counts.ran
+    if not ran:
+        return None
+    most = max(ran.values())
+    return Steps(max(ran) + 1, (), tuple(sorted(s for s, n in ran.items() if not n)),
+                 counts.empty,
+                 tuple(sorted(counts.refreshed)),
+                 tuple(sorted(s for s, n in ran.items() if 0 < n < most)),
+                 tuple(sorted(counts.moved)))
 
 
 def _steps(numbers: tuple[int, ...]) -> str:
@@ -152,11 +193,17 @@ def line(now: tuple, since: tuple, steps: Steps | None = None) -> str | None:
                     "not counted)")
     head = f"ToMe: pooled {tally[POOLED]} of {total} attention calls"
     parts = [head + ("; the rest: " + ", ".join(rest) if rest else "")]
-    if steps and (steps.before or steps.inside):
+    if steps and (steps.before or steps.inside or steps.partial):
         where = [f"{w}: {_steps(n)}" for n, w in ((steps.before, "before the model call"),
-                                                 (steps.inside, "inside the model")) if n]
-        parts.append(f"steps skipped by a cache {len(steps.before) + len(steps.inside)} of "
-                     f"{steps.total} ({'; '.join(where)})")
+                                                 (steps.inside, "inside the model"),
+                                                 (steps.partial, "some blocks")) if n]
+        skipped = len(steps.before) + len(steps.inside) + len(steps.partial)
+        parts.append(f"steps skipped by a cache {skipped} of {steps.total} "
+                     f"({'; '.join(where)})")
     if steps and steps.refreshed:
         parts.append(f"residual reuse refreshed at steps {_steps(steps.refreshed)}")
+    if steps and steps.moved:
+        pairs = [f"{a}->{b}" for a, b in steps.moved]
+        parts.append("refreshes a cache skipped, moved to the next computed step: "
+                     + (", ".join(pairs) if len(pairs) <= 12 else f"{len(pairs)}"))
     return "; ".join(parts)

@@ -57,7 +57,7 @@ class _State(percall_calls.Counts, percall.Flags):
         self.p: float | None = None    # this call's sampling progress, where read
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
-        self.reuse = _attend.Reuse(config.reuse)
+        self.reuse = _attend.Reuse(config.reuse, paced=config.paced)
         self.budget: budget.ReuseBudget | None = None  # what reuse may keep (``apply``)
         self.hooks: _Hooks | None = None
         self.removed = False           # removed while torch held its call hook
@@ -112,6 +112,7 @@ class _Hooks:
             st.flags.clear()
             st.flags["call"] = True
             self.seen, self.placed = st.tally.total(), False
+            self.pooled = st.tally[percall_calls.POOLED]
         d = st.layout.dit
         got = st.family.call(d, args, kwargs, st.memo)
         if got is None:
@@ -142,9 +143,12 @@ class _Hooks:
         if st.reuse.every:
             st.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
         if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
-            if not st.flags.get("fired"):  # compiled blocks record nothing: replayed calls
-                st.flags.update(fired=True, pooled=active)
+            if not st.flags.get("fired") and not getattr(module, "is_cache_enabled", False):
+                st.flags.update(fired=True, pooled=active)  # compiled blocks record nothing
+            # (a step cache's skipped call reaches no attention either: not a replayed one)
             st.count_call(st.flags, self.seen, self.placed, active)
+            # what reuse did: refreshed, a refresh a step cache skipped moved here
+            st.settled(st.reuse.settle(), st.tally[percall_calls.POOLED] - self.pooled)
 
 
 @merge.host_side
@@ -230,22 +234,27 @@ def _states(pipe: Any) -> list[_State]:
     return found
 
 
-def _generation(pipe: Any) -> Any:
+def _generation(pipe: Any, steps: int | None = None) -> Any:
     """What a pipeline's generation bracket does (``brackets.Bracket``): at its start, what
-    residual reuse kept is dropped and the counts are noted; at its end (also on an error or
+    residual reuse kept is dropped, its refreshes paced to the ``steps`` (``Reuse.pace``),
+    diffusers' step caches reset and the counts noted; at its end (also on an error or
     an interrupt) dropped again, and one line per patched transformer says what its calls
     did (the per-call hosts' after-sampling line), unless the generation was interrupted."""
     states = _states(pipe)
     since = [(st, st.counts(), st.tallies()) for st in states]
     for st in states:
         st.reset()
+        st.reuse.pace(steps)
+        st.forget_steps()
+    brackets.reset_caches(pipe)
 
     def end(failed: bool) -> None:
         for st, counts, tallies in since:
             st.reset()
             if not failed and not st.removed and st.calls > counts[0]:  # compiled: uncounted
                 say = st.budget.say if st.budget is not None else console.line
-                say(st.not_pooled(counts) or percall_calls.line(st.tallies(), tallies))
+                say(st.not_pooled(counts) or percall_calls.line(
+                    st.tallies(), tallies, percall_calls.steps_of(st)))
     return end
 
 

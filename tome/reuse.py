@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import merge
+from .schedule import period
 
 
 @dataclass(frozen=True)
@@ -82,16 +83,22 @@ EAGER = _Eager()
 class Slot:
     """One block part's residuals in one thread's generation (a ``Lane``'s): what ``Reuse``
     keeps for it (identity -> factor -> (r, slope, at)) and, during a call, this call's
-    identity's entry (``cur``; None: the part keeps nothing). Reuse owns it; the adapters
-    hand it to their blocks (``Reuse.parts``, or pushed onto their own wrappers), so a
-    compiled block reads attributes, never a dict keyed by block."""
+    identity's entry (``cur``; None: the part keeps nothing) and whether it refreshes
+    (``due``: its identity's refresh, or its own residual ``every`` steps old because a step
+    cache skipped the block when its refresh was due). Reuse owns it; the adapters hand it
+    to their blocks (``Reuse.parts``, or pushed onto their own wrappers), so a compiled
+    block reads attributes, never a dict keyed by block."""
 
-    __slots__ = ("index", "on", "kept", "cur", "lane")
+    __slots__ = ("index", "on", "kept", "cur", "lane", "due", "fresh", "owed", "was")
 
     def __init__(self, index: int, on: bool, lane: Lane):
         self.index, self.on, self.lane = index, on, lane
         self.kept: dict[tuple, dict] = {}
         self.cur: dict | None = None
+        self.due = False                    # this call refreshes this part
+        self.fresh: dict[tuple, int] = {}   # identity -> step its last refresh ran (host int)
+        self.owed: dict[tuple, int] = {}    # identity -> step of a due refresh that did not run
+        self.was: dict | None = None        # ``cur`` as the call began (``Lane.settle``)
 
 
 class Lane:
@@ -110,7 +117,8 @@ class Lane:
     def reset(self) -> None:
         self.leave()
         for slot in self.slots:
-            slot.kept, slot.cur = {}, None
+            slot.kept, slot.cur, slot.was, slot.due = {}, None, None, False
+            slot.fresh, slot.owed = {}, {}
         self.at: dict[tuple, int] = {}      # identity -> step of its last refresh
         self.seen: dict[tuple, int] = {}    # (grid, rows, host identity) -> calls at this level
         self.step, self.last = -1, None
@@ -123,6 +131,42 @@ class Lane:
         if self.eager:
             self.eager = False
             EAGER.leave()
+
+    def settle(self, every: int) -> Settled | None:
+        """What the call that just ran did with its parts, read on the host after it: which
+        refreshed (their kept entry replaced) and which refreshes were due but did not run
+        (a step cache skipped the block: ``owed``, refreshed at its next computed call);
+        None outside a call with reuse. Idempotent: the next ``begin`` settles too."""
+        who, step = self.who, self.step
+        if who is None or not self.active:
+            return None
+        refreshed, moved = False, []
+        for slot in self.slots:
+            was, cur, slot.was = slot.was, slot.cur, None
+            if was is None or cur is None:
+                continue
+            if cur.keys() != was.keys() or any(cur[f] is not was[f] for f in cur):
+                refreshed = True
+                last = slot.fresh.get(who)
+                due = slot.owed.pop(who, None)
+                if due is None and last is not None and step - last > every:
+                    due = last + every  # no call of this identity when it was due
+                if due is not None and due != step:
+                    moved.append((due, step))
+                slot.fresh[who] = step
+            elif slot.due and who in slot.fresh:  # due, ran before, did not run now
+                slot.owed.setdefault(who, step)
+        self.active = False
+        return Settled(step, refreshed, tuple(sorted(set(moved))))
+
+
+class Settled(NamedTuple):
+    """One model call's reuse, settled (``Lane.settle``): its step, whether any part
+    refreshed, and the refreshes a step cache skipped that ran here: (due step, this step)."""
+
+    step: int
+    refreshed: bool
+    moved: tuple[tuple[int, int], ...]
 
 
 class Reuse:
@@ -152,13 +196,20 @@ class Reuse:
     runs eagerly (``_Eager``; its bracket calls ``end``), so a compiled block only ever sees
     reuse's one state: steps, identities and refreshes do not recompile."""
 
-    def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True):
+    def __init__(self, every: int = 0, keep: Keep = Keep(), extrapolate: bool = True,
+                 paced: bool = False):
         self.every, self.keep, self.extrapolate = every, keep, extrapolate
+        self.base, self.paced = every, paced  # ``pace``
         self.order: tuple[int, ...] = ()  # pooled blocks' indices (``Keep.blocks`` counts here)
         self.indices: list[int] = []      # the joined parts' blocks, in joining order
         self._local = threading.local()
         self._lock = threading.Lock()
         self._lanes: list[Lane] = []
+
+    def pace(self, steps: int | None) -> None:
+        """The sampling has ``steps`` steps (None: not told): where ``paced``, the refresh
+        period follows them (``period``); else it stays the settings' ``every``."""
+        self.every = period(self.base, self.paced, steps)
 
     # ---------------------------------------------------------------- lanes
 
@@ -231,6 +282,9 @@ class Reuse:
             lane.active = lane.active and keep.blocks != 0
             if not convert:
                 lane.at, lane.refresh = {}, lane.who is not None
+                for slot in lane.slots:
+                    slot.due, slot.fresh, slot.owed = lane.refresh, {}, {}
+                    slot.was = None if slot.cur is None else {}
                 if lane.who is not None and lane is me:
                     lane.at[lane.who] = lane.step
 
@@ -262,10 +316,11 @@ class Reuse:
         in its schedule), so steps a cache answered without calling the model still count;
         else the noise levels seen are counted."""
         lane = self.lane()
+        lane.settle(self.every)  # a call whose host did not settle it (it raised)
         lane.leave()  # a call that raised before its end
         lane.who, lane.active = None, False
         for slot in lane.slots:
-            slot.cur = None
+            slot.cur = slot.was = None
         if not self.every or self.keep.blocks == 0:
             return
         if lane.last is not None and p < lane.last:
@@ -282,10 +337,19 @@ class Reuse:
         if lane.refresh:
             lane.at[who] = lane.step
         for slot in lane.slots:
-            slot.cur = slot.kept.setdefault(who, {}) if slot.on else None
+            if not slot.on:
+                slot.cur = None
+                continue
+            slot.cur = slot.kept.setdefault(who, {})
+            slot.was = dict(slot.cur)
+            last = slot.fresh.get(who)
+            # a part a step cache skipped when its refresh was due refreshes at its next
+            # computed call, as one whose residual is ``every`` steps old: never older
+            slot.due = lane.refresh or who in slot.owed or (
+                last is not None and lane.step - last >= self.every)
         lane.active = True
-        if lane.refresh:  # compiled blocks see one state (``_Eager``)
-            lane.eager = True
+        if any(slot.due for slot in lane.slots if slot.on):  # compiled blocks see one
+            lane.eager = True                                  # state (``_Eager``)
             EAGER.enter()
 
     @merge.host_side
@@ -295,6 +359,11 @@ class Reuse:
         lane = getattr(self._local, "lane", None)
         if lane is not None:
             lane.leave()
+
+    def settle(self) -> Settled | None:
+        """This thread's call that just ran, settled on the host (``Lane.settle``): the
+        adapters call it at each model call's end and count what it says."""
+        return self.lane().settle(self.every)
 
     def missed(self) -> None:
         """This call was to refresh but ran no pooled attention (a cache answered it inside
@@ -344,7 +413,7 @@ class Reuse:
         if kept is not None and kept[0].shape != (out.shape if image is None else out.narrow(
                 dim, image[0], image[1] - image[0]).shape):
             kept = None  # another text length under the same identity: start again
-        if kept is not None and not lane.refresh:
+        if kept is not None and not slot.due:
             r, slope, at = kept
             add = r.to(out.dtype)
             if slope is not None:

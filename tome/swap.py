@@ -205,7 +205,15 @@ class Swap(percall.Core, percall.Flags):
         at this step), put back in ``finally`` whatever happens; ``who``: its identity."""
         found = self.read(self.form.spans, self.model, x, c)
         spans = None if found is None else self.read(kv.Spans, *found)
-        state = None if spans is None else self.begin(spans, t, x.device, x.shape[0], who, x)
+        sigma, step, total = t, None, None
+        options = c.get("transformer_options")
+        if self.reuse is not None and isinstance(t, torch.Tensor) and t.numel() and \
+                isinstance(options, dict) and "sample_sigmas" in options:
+            sigma = float(t.reshape(-1)[0])  # this call's one read of its sigma
+            step = self.step_of(options, sigma)  # the sampler's: steps a cache skipped count
+            total = len(self.sigmas[1]) - 1 if step is not None else None
+        state = None if spans is None else self.begin(spans, sigma, x.device, x.shape[0], who,
+                                                      x, step, total)
         saved: list[tuple[Any, str, Any]] = []
         before = self.block
         self.block = 0

@@ -17,6 +17,13 @@ from torch import nn
 from .. import dit
 
 
+def reuse_words(config: Any) -> str:
+    """``residual reuse every 5 steps``; ``... (paced to the step count)``
+    (``ToMeConfig.paced``: that period at 20 steps; no comma: an infotext value)."""
+    paced = " (paced to the step count)" if getattr(config, "paced", False) else ""
+    return f"residual reuse every {config.reuse} steps{paced}"
+
+
 @dataclass(frozen=True)
 class Dit:
     """What a DiT adds to its blocks: where its image tokens are and how its calls look."""
@@ -48,7 +55,7 @@ class Dit:
             return f"{config.method}: no DiT form, not pooled"
         parts = [dit.schedule_of(config).describe()]
         if config.reuse:
-            parts.append(f"residual reuse every {config.reuse} steps")
+            parts.append(reuse_words(config))
         parts.append("proportional attention" if config.proportional else "plain pooling")
         return "; ".join(parts) + (f"; rope {config.rope}" if self.rope else "")
 
@@ -61,7 +68,7 @@ class Dit:
         parts = [dit.schedule_of(config).describe() if config.schedule
                  else f"downsample x{config.downsample_factor}"]
         if config.reuse:
-            parts.append(f"residual reuse every {config.reuse} steps")
+            parts.append(reuse_words(config))
         return "; ".join(parts)
 
     def method(self, config: Any) -> Any:
