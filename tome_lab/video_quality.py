@@ -26,6 +26,7 @@ small share: not a speed figure for a full-size Wan; ``dit_bench`` times those s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -60,6 +61,15 @@ TRAINED: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("x4 4x4x2 reuse 5", {"downsample_factor": 4, "temporal": 2, "reuse": 5}),
     ("preset quality", {"config": tome.preset("quality", policy="fixed")}),
     ("preset fast", {"config": tome.preset("fast", policy="fixed")}),
+    # diffusers' own step caches (``transformer.enable_cache``), alone and under x4 pooling;
+    # MagCache needs magnitude ratios calibrated per model and scheduler: not run
+    ("FirstBlockCache 0.1", {"cache": ("FirstBlockCacheConfig", {"threshold": 0.1})}),
+    # TaylorSeer's default module patterns (``^blocks.*attn``, full match) miss Wan's attn1
+    # and attn2, so on Wan it hooks nothing unless told which modules
+    ("TaylorSeer", {"cache": ("TaylorSeerCacheConfig", {
+        "cache_interval": 3, "cache_identifiers": [r"^blocks\.\d+\.attn\d$"]})}),
+    ("x4 + FirstBlockCache 0.1", {"downsample_factor": 4,
+                                  "cache": ("FirstBlockCacheConfig", {"threshold": 0.1})}),
 )
 QUICK = ("unpooled", "x2", "x2 2x2x2", "x4")
 RANDOM = ("unpooled", "x2", "x2 2x2x2", "x4")  # the random-weight comparison rows
@@ -178,12 +188,31 @@ def sample_settings(model, settings, seeds, classes, steps: int, guidance: float
         for name, spec in settings if j % 2 == 0 else settings[::-1]:
             if progress:
                 progress(f"{steps} steps, cfg {guidance:g}, seed {seed}: {name}")
-            with _pooled(model, spec):
+            spec = dict(spec) if spec is not None else None
+            cache = spec.pop("cache", None) if spec else None
+            with _pooled(model, spec or None), _cached(model.transformer, cache):
                 t0 = time.thread_time()
                 outs[name].append(tinyvdit.sample(model, classes, seed=seed, steps=steps,
                                                   guidance=guidance))
                 times[name] += time.thread_time() - t0
     return {name: (torch.cat(outs[name]), times[name]) for name in outs}
+
+
+@contextlib.contextmanager
+def _cached(transformer, cache: tuple[str, dict[str, Any]] | None):
+    """diffusers' cache ``cache`` (its config class's name and arguments) on ``transformer``
+    for one sampling run (a fresh state each run), in one cache context (the guided batch is
+    one call)."""
+    if cache is None:
+        yield
+        return
+    import diffusers
+    transformer.enable_cache(getattr(diffusers, cache[0])(**cache[1]))
+    try:
+        with transformer.cache_context("video"):
+            yield
+    finally:
+        transformer.disable_cache()
 
 
 def trained_rows(model, settings, seeds, classes, steps: int, guidance: float,

@@ -1,9 +1,10 @@
 """The tiny video DiT: the real diffusers ``WanTransformer3DModel`` (self-attention over frames x
 height x width with 3-D rotary positions, cross-attention to text, AdaLN from the timestep) at a
 tiny width, in pixel space: 9 frames of 32x32 RGB in (1, 4, 4) patches (Wan's (1, 2, 2) over a
-latent 8x smaller), so 9 x 8 x 8 = 576 video tokens; a class table stands in for the text encoder (4 "text" tokens per class;
-class 4 is the null class for classifier-free guidance); trained with rectified flow (Wan's
-objective) and sampled with Euler steps on a shifted schedule.
+latent 8x smaller), so 9 x 8 x 8 = 576 video tokens; a class table stands in for the text
+encoder (4 "text" tokens per class; class 4 is the null class for classifier-free guidance);
+trained with rectified flow (Wan's objective) and sampled with Euler steps on a shifted
+schedule.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..tinyldm import data
 from ..tinydit.train import save
+from ..tinyldm import data
 from .clips import clips
 from .model import FRAMES, NULL, SIZE, build_model, flow_loss, num_params
 
