@@ -262,6 +262,25 @@ def strip(ref: torch.Tensor, rows: list[dict[str, Any]], video: int = 0, scale: 
     return img
 
 
+def _write(out: Path, rows: list[dict[str, Any]], seeds: list[int], classes: list[int]
+           ) -> str:
+    """``video_quality.md`` and ``.json`` in ``out`` from ``rows``; the text."""
+    head = (f"Tiny video DiT (tome_lab/tinyvdit: WanTransformer3DModel, 32x32 px x 9 frames, "
+            f"9 x 8 x 8 = 576 video tokens), {len(seeds)} seed(s) x {len(classes)} classes, "
+            f"Euler steps, fp32, {torch.get_num_threads()} thread(s); each video against the "
+            "unpooled one of the same seed; speed-up: the sampling thread's CPU time on this "
+            "machine (attention is a small share of this tiny model: not a full-size Wan's "
+            "speed).")
+    text = head + "\n\n" + trained_table(rows) + "\n\nPSNR per frame (dB):\n\n" + \
+        per_frame_table([r for r in rows if not r["setting"].startswith("random")])
+    (out / "video_quality.md").write_text(text + "\n")
+    (out / "video_quality.json").write_text(json.dumps(
+        {"machine": machine(torch.device("cpu")), "seeds": seeds, "classes": classes,
+         "rows": [{k: v for k, v in r.items() if k not in ("videos", "reference")}
+                  for r in rows]}, indent=1))
+    return text
+
+
 def run_trained(args) -> int:
     from . import tinyvdit
     torch.set_num_threads(args.threads or 1)
@@ -275,36 +294,22 @@ def run_trained(args) -> int:
     seeds = [int(v) for v in args.seeds.split(",")][:1 if args.quick else None]
     classes = list(range(len(tinyvdit.CLASSES)))
     model = tinyvdit.load_model(args.weights)
-    rows, strips = [], {}
-    for steps in [int(v) for v in args.steps.split(",")]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps_list = [int(v) for v in args.steps.split(",")]
+    rows: list[dict[str, Any]] = []
+    for steps in steps_list:
         for g in [float(v) for v in args.guidance.split(",")]:
             got = trained_rows(model, settings, seeds, classes, steps, g, progress)
             rows += got
-            strips[(steps, g)] = strip(got[0]["reference"], got)
+            strip(got[0]["reference"], got).save(out / f"video_strip_{steps}steps_cfg{g:g}.png")
+            _write(out, rows, seeds, classes)  # each block as it comes: a run cut off keeps it
     torch.manual_seed(0)  # the comparison: the same architecture, random weights
     random = tinyvdit.build_model().eval().requires_grad_(False)
-    steps0 = int(args.steps.split(",")[0])
     rows += trained_rows(random, tuple((n, s) for n, s in TRAINED if n in RANDOM), seeds,
-                         classes, steps0, 1.0, progress, label="random weights: ")
+                         classes, max(steps_list), 1.0, progress, label="random weights: ")
     print(file=sys.stderr)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    head = (f"Tiny video DiT (tome_lab/tinyvdit: WanTransformer3DModel, 32x32 px x 9 frames, "
-            f"9 x 8 x 8 = 576 video tokens), {len(seeds)} seed(s) x {len(classes)} classes, "
-            f"Euler steps, fp32, {torch.get_num_threads()} thread(s); each video against the "
-            "unpooled one of the same seed; speed-up: the sampling thread's CPU time on this "
-            "machine (attention is a small share of this tiny model: not a full-size Wan's "
-            "speed).")
-    text = head + "\n\n" + trained_table(rows) + "\n\nPSNR per frame (dB):\n\n" + \
-        per_frame_table([r for r in rows if not r["setting"].startswith("random")])
-    print(text)
-    (out / "video_quality.md").write_text(text + "\n")
-    (out / "video_quality.json").write_text(json.dumps(
-        {"machine": machine(torch.device("cpu")), "seeds": seeds, "classes": classes,
-         "rows": [{k: v for k, v in r.items() if k not in ("videos", "reference")}
-                  for r in rows]}, indent=1))
-    for (steps, g), img in strips.items():
-        img.save(out / f"video_strip_{steps}steps_cfg{g:g}.png")
+    print(_write(out, rows, seeds, classes))
     return 0
 
 
