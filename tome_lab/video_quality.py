@@ -58,12 +58,14 @@ TRAINED: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("x4", {"downsample_factor": 4}),
     ("x4 4x4x2", {"downsample_factor": 4, "temporal": 2}),
     ("x4 reuse 5", {"downsample_factor": 4, "reuse": 5}),
+    ("x2 2x2x4 reuse 5", {"downsample_factor": 2, "temporal": 4, "reuse": 5}),
     ("x4 4x4x2 reuse 5", {"downsample_factor": 4, "temporal": 2, "reuse": 5}),
     ("preset quality", {"config": tome.preset("quality", policy="fixed")}),
     ("preset fast", {"config": tome.preset("fast", policy="fixed")}),
     # diffusers' own step caches (``transformer.enable_cache``), alone and under x4 pooling;
     # MagCache needs magnitude ratios calibrated per model and scheduler: not run
     ("FirstBlockCache 0.1", {"cache": ("FirstBlockCacheConfig", {"threshold": 0.1})}),
+    ("FirstBlockCache 0.3", {"cache": ("FirstBlockCacheConfig", {"threshold": 0.3})}),
     # TaylorSeer's default module patterns (``^blocks.*attn``, full match) miss Wan's attn1
     # and attn2, so on Wan it hooks nothing unless told which modules
     ("TaylorSeer", {"cache": ("TaylorSeerCacheConfig", {
@@ -251,14 +253,14 @@ def strip(ref: torch.Tensor, rows: list[dict[str, Any]], video: int = 0, scale: 
     from PIL import Image, ImageDraw
     named = [("unpooled", ref[video])] + [(r["setting"], r["videos"][video]) for r in rows]
     frames, s = ref.shape[2], ref.shape[-1] * scale
-    img = Image.new("RGB", (110 + frames * (s + 2), len(named) * (s + 2)), "white")
+    img = Image.new("RGB", (150 + frames * (s + 2), len(named) * (s + 2)), "white")
     draw = ImageDraw.Draw(img)
     for i, (name, v) in enumerate(named):
         draw.text((2, i * (s + 2) + s // 2 - 5), name, fill="black")
         tiles = (v.clamp(0, 1) * 255).round().byte().permute(1, 2, 3, 0).numpy()
         for f, tile in enumerate(tiles):
             img.paste(Image.fromarray(tile).resize((s, s), Image.NEAREST),
-                      (110 + f * (s + 2), i * (s + 2)))
+                      (150 + f * (s + 2), i * (s + 2)))
     return img
 
 
