@@ -152,3 +152,13 @@ def test_the_setting_round_trips_through_the_node():
     assert inputs.config(defaults(preset="quality", temporal=2), "dit").temporal == 2
     with pytest.raises(ValueError, match="temporal"):
         ToMeConfig(temporal=0)
+
+
+def test_time_cells_are_part_of_the_measurement_key_and_earlier_keys_stay(wan):
+    """A timing with 2x2x2 cells is not one without; without them the key is what it was
+    before the setting existed (cached readings keep their keys)."""
+    from tome import layout
+    from tome.measurements import key_config
+    read = layout.read(wan)
+    one, two = (key_config(read, ToMeConfig(method="downsample", temporal=t)) for t in (1, 2))
+    assert two["temporal"] == 2 and "temporal" not in one
