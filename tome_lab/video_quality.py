@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic", action="store_true",
                     help="the Wan-shaped random-weight check (--size, --blocks, --t) instead")
     ap.add_argument("--weights", default=None, help="the tiny video DiT's (default: shipped)")
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", default="20,6", help="sampling steps, comma-separated")
     ap.add_argument("--guidance", default="1,3", help="guidance scales, comma-separated")
     args = ap.parse_args(argv)
