@@ -508,6 +508,21 @@ def test_wan_reference_latent_and_text_as_long_as_the_video(lines, monkeypatch):
     assert torch.equal(sample(ours, "wan", latent=tiny), sample(base, "wan", latent=tiny))
 
 
+def test_wan_time_cells_through_the_node(lines, monkeypatch):
+    """The node's ``temporal`` on ComfyUI's Wan: 3 frames of 8x12 tokens in 2 frame cells of
+    4x6 (one pair, the last frame alone); Wan 2.2 TI2V's image frame (a ``denoise_mask``)
+    stays whole and the pair after it is pooled together."""
+    base = dit_model("wan")
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**FIXED, temporal=2))
+    seen = spy(monkeypatch, "wan")
+    out = sample(ours, "wan")
+    assert set(seen) == {2 * 4 * 6, 5}
+    assert close(out, sample(base, "wan"))
+    seen.clear()
+    sample(ours, "wan", denoise_mask=torch.ones(1, 1, 3, 16, 24))
+    assert set(seen) == {8 * 12 + 4 * 6, 5}
+
+
 def test_calls_a_family_cannot_place_are_not_pooled():
     """HunyuanVideo has Flux's blocks but a 3-D patch and [image, text] (no longer read as
     Flux: below); Flux's reading of such a call places nothing rather than the wrong

@@ -29,7 +29,8 @@ from tome.config import ToMeConfig, preset, without_reuse  # noqa: E402
 # values by position, so this order may only grow at its end.
 ORDER = ["model", "preset", "method", "ratio", "downsample_factor", "max_downsample", "sx", "sy",
          "use_rand", "seed", "start", "end", "policy", "merge_crossattn", "merge_mlp",
-         "matching", "share", "rope", "blocks", "proportional", "schedule", "reuse", "paced"]
+         "matching", "share", "rope", "blocks", "proportional", "schedule", "reuse", "paced",
+         "temporal"]
 
 
 def unet():

@@ -20,7 +20,7 @@ from tome.config import FIELDS, ToMeConfig, preset
 # The ranges the settings document (help, sliders, node inputs), written out here so that a
 # range changed in one place only is caught.
 RANGES = {"sx": (1, 8), "sy": (1, 8), "downsample_factor": (1, 8), "reuse": (0, 20),
-          "start": (0.0, 1.0), "end": (0.0, 1.0)}
+          "temporal": (1, 4), "start": (0.0, 1.0), "end": (0.0, 1.0)}
 
 
 @pytest.fixture(scope="module")

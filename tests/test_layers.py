@@ -26,6 +26,7 @@ LAYERS = [
     ("tome.parallel",),  # pooling under context parallelism: each rank's shard, or refused
     ("tome.percall_calls",),  # what a patch's model and attention calls did: counts, tally
     ("tome.dits",),     # the DiT families (one file each) and their registry, read by layout
+    ("tome.values",),   # loose values to a setting's type; the words for its range
     ("tome.config",),   # validates method names against the methods' registry
     ("tome.policy", "tome.layout", "tome.memory", "tome.budget"),
     ("tome.timing_results",),  # what measure found: pure data, kept by measurements

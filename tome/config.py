@@ -16,13 +16,19 @@ from typing import Any
 
 from . import dit, methods
 from .ratio import MAX_STRIDE, RATIO_RULE, check_ratio, ratio_limit  # noqa: F401 (the hosts')
+from .values import (  # noqa: F401 (the names hosts import from here)
+    AUTO,
+    coerce,
+    describe,
+    in_range,
+    range_text,
+    shown,
+)
 
 MATCHINGS = ("global", "local")
 SHARES = ("level", "block")
 POLICIES = ("fixed", "auto")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
-# "auto" in the UI / API; None in the library.
-AUTO = "auto"
 
 
 def _meta(label: str, infotext: str, help: str, **kw: Any) -> dict[str, Any]:
@@ -136,6 +142,13 @@ class ToMeConfig:
         "root of the step count (N=5: every 2 steps at 4, 3 at 8, 8 at 50), which kept the "
         "image about as close at 4 to 50 steps on the tiny DiT (docs/quality.md). Where the "
         "host does not tell the step count, or off: every 'reuse' steps."))
+    temporal: int = field(default=1, metadata=_meta(
+        "DiT frames per cell", "ToMe temporal",
+        "Video DiTs (Wan, HunyuanVideo, LTX-Video...): how many consecutive latent frames one "
+        "pooled key spans. 1: each frame pooled on its own; 2: pairs of frames too (2x2x2 "
+        "cells at factor 2: 8 keys into one). Frames a model keeps whole (an image-to-video's "
+        "first frame, LTX-Video's guide frames) stay whole. Images ignore it.",
+        minimum=1, maximum=4, step=1))
 
     def __post_init__(self) -> None:
         def fail(name: str, msg: str) -> None:
@@ -247,91 +260,9 @@ def check_names(names: Any, known: Any = None) -> None:
         raise ValueError(problem)
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters (an error quotes what it refuses, not a
-    megabyte of it)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
-
-
-def in_range(f: dataclasses.Field, value: Any) -> bool:
-    """Whether ``value`` is of the field's kind (an integer, or a finite number) and within
-    its metadata's ``minimum``-``maximum``: the one range check, on the range UIs show."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if isinstance(f.default, int) and not isinstance(value, int):
-        return False
-    return math.isfinite(value) and f.metadata["minimum"] <= value <= f.metadata["maximum"]
-
-
-def range_text(f: dataclasses.Field) -> str:
-    """``a positive integer in [1, 8]``, ``a number in [0, 1]``: the field's metadata range."""
-    lo, hi = f.metadata["minimum"], f.metadata["maximum"]
-    if not isinstance(f.default, int):
-        return f"a number in [{lo:g}, {hi:g}]"
-    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, "an integer")
-    return f"{kind} in [{lo}, {hi}]"
-
-
 def choices(name: str) -> tuple:
     """The allowed values of a field with choices (for ``method``: every registered one)."""
     return tuple(FIELDS[name].metadata["choices"])
-
-
-def coerce(f: dataclasses.Field, value: Any) -> Any:
-    """Coerce one loosely typed value to the field's type, with an error naming the field."""
-    name, default = f.name, f.default
-    try:
-        if name == "max_downsample":
-            if value is None or (isinstance(value, str) and value.strip().lower() in (AUTO, "")):
-                return None
-            return _to_int(value)
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                low = value.strip().lower()
-                if low in ("true", "1", "yes", "on"):
-                    return True
-                if low in ("false", "0", "no", "off"):
-                    return False
-                raise ValueError
-            if isinstance(value, (int, float)) and value in (0, 1):
-                return bool(value)
-            return value
-        if isinstance(default, int):
-            return _to_int(value)
-        if isinstance(default, float):
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if isinstance(default, str):
-            return str(value).strip().lower()
-    except (TypeError, ValueError):
-        raise ValueError(f"ToMe: invalid {name}={value!r}: expected {describe(f)}") from None
-    return value
-
-
-def _to_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError
-    if isinstance(value, float) or isinstance(value, str):
-        x = float(value)
-        if not x.is_integer():
-            raise ValueError
-        return int(x)
-    return int(value)
-
-
-def describe(f: dataclasses.Field) -> str:
-    m = f.metadata
-    if "choices" in m:
-        return "one of " + ", ".join(map(str, choices(f.name)))
-    if isinstance(f.default, bool):
-        return "true or false"
-    if f.name.endswith("ratio"):  # ratio, and the WebUI's hr_ratio and img2img_ratio
-        return f"a number in [0, {RATIO_RULE}]"
-    if "maximum" in m:
-        return range_text(f)
-    return type(f.default).__name__
 
 
 
@@ -378,7 +309,7 @@ DIT_NO_REUSE: dict[str, tuple[dict[str, Any], ...]] = {
     "fast": ({"schedule": "all:2@0.3-1"},)}
 #: The fields only a DiT reads (a UNet ignores them; a DiT ignores the merge fields and
 #: ``max_downsample``).
-DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse", "paced")
+DIT_FIELDS = ("rope", "blocks", "proportional", "schedule", "reuse", "paced", "temporal")
 
 
 def preset(name: str, **changes: Any) -> ToMeConfig:

@@ -22,7 +22,7 @@ the adapters (``processors.py`` for diffusers, ``patcher.py`` for ComfyUI's DiT 
 say where the image tokens sit in the joint sequence (``start``), the grid (``frames x h x
 w``, frame-major; an image is one frame) and which layout the tensors have (``dim``: the
 sequence dimension). A video's cells are spatial within each frame by default; ``temporal``
-pools pairs (or more) of frames too, for measuring whether that keeps the video.
+(the ``temporal`` setting) pools runs of frames too: 2x2x2 cells at factor 2.
 """
 
 from __future__ import annotations
@@ -64,16 +64,26 @@ def pool_span(x: torch.Tensor, start: int, h: int, w: int, factor: int, dim: int
     img = x.narrow(dim, start, n)
     lead, trail = img.shape[:dim], img.shape[dim + 1:]
     b, c = math.prod(lead), math.prod(trail)
-    if temporal == 1:  # frames ride in the batch: an image's ops, once per frame
-        grid = img.reshape(b * frames, h, w, c).permute(0, 3, 1, 2)
-        pooled = F.avg_pool2d(grid, factor, ceil_mode=True).permute(0, 2, 3, 1)
-    else:
-        grid = img.reshape(b, frames, h, w, c).permute(0, 4, 1, 2, 3)
-        pooled = F.avg_pool3d(grid, (temporal, factor, factor), ceil_mode=True)
-        pooled = pooled.permute(0, 2, 3, 4, 1)
+    grid = img.reshape(b * frames, h, w, c).permute(0, 3, 1, 2)  # frames ride in the batch
+    pooled = F.avg_pool2d(grid, factor, ceil_mode=True) if factor > 1 else grid
+    pooled = pooled.permute(0, 2, 3, 1)
+    if temporal > 1:  # then each run of ``temporal`` frames' cells averaged (the last shorter)
+        pooled = _frame_means(pooled.reshape(b, frames, -1, c), frames, temporal)
     pooled = pooled.reshape(*lead, pooled_tokens(h, w, factor, frames, temporal), *trail)
     parts = [x.narrow(dim, 0, start), pooled, x.narrow(dim, start + n, x.shape[dim] - start - n)]
     return torch.cat([p for p in parts if p.shape[dim]], dim)
+
+
+def _frame_means(x: torch.Tensor, frames: int, temporal: int) -> torch.Tensor:
+    """``x`` (``[B, frames, cells, C]``, a frame's cells each) with each run of ``temporal``
+    frames replaced by its mean: within a frame every cell has the same count in every frame,
+    so this is the 3-D cell's mean, with no 3-D pooling kernel (PyTorch's CPU avg_pool3d has
+    none for bf16)."""
+    full = frames - frames % temporal
+    parts = [x.narrow(1, 0, full).unflatten(1, (-1, temporal)).mean(2)]
+    if full < frames:
+        parts.append(x.narrow(1, full, frames - full).mean(1, keepdim=True))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
 
 def pooled_tokens(h: int, w: int, factor: int, frames: int = 1, temporal: int = 1) -> int:
@@ -162,8 +172,8 @@ def grid_tensor(frames: int, h: int, w: int) -> torch.Tensor:
 class DitPlan:
     """Pooling for one DiT call: the image grid (``frames x h x w``, frame-major; an image is
     one frame), the factor per side within a frame, the temporal factor (frames per cell: 1
-    pools each frame on its own), the RoPE option and whether pooled keys get the
-    proportional-attention bias."""
+    pools each frame on its own; a plan at factor 1 pools nothing), the RoPE option and
+    whether pooled keys get the proportional-attention bias."""
 
     __slots__ = ("size", "factor", "rope", "proportional", "temporal", "_positions", "_bias")
 
@@ -176,7 +186,7 @@ class DitPlan:
         self.size = grid_tensor(frames, h, w) if size is None else size
         self.factor, self.rope = factor, rope
         self.proportional = proportional
-        self.temporal = temporal
+        self.temporal = temporal if factor > 1 else 1  # frames pooled only where space is
         self._positions: tuple[Any, Any] = (None, None)
         self._bias: tuple[Any, Any] = (None, None)
 
@@ -270,18 +280,20 @@ class DitPlan:
         return self._positions[1]
 
 
-def cached_plan(cache: dict, s: Any, f: int, rope: str, proportional: bool) -> DitPlan:
-    """The plan of a per-call grid ``s`` (``percall.Spans``) at factor ``f``, kept in
+def cached_plan(cache: dict, s: Any, f: int, rope: str, proportional: bool,
+                temporal: int = 1) -> DitPlan:
+    """The plan of a per-call grid ``s`` (``percall.Spans``) at factor ``f`` (``temporal``
+    frames per cell), kept in
     ``cache`` in eager mode (its pooled positions and bias are built once; at most 32 kept),
     built in the graph while compiling (a dict read would add guards; ``s``'s sizes are
     symbolic there: ``percall._traced``)."""
     if merge.compiling():
-        return DitPlan(s.h, s.w, f, rope, proportional, s.frames)
-    key = (s.frames, s.h, s.w, f, rope, proportional)
+        return DitPlan(s.h, s.w, f, rope, proportional, s.frames, temporal)
+    key = (s.frames, s.h, s.w, f, rope, proportional, temporal)
     if key not in cache:
         if len(cache) > 32:
             cache.clear()
-        cache[key] = DitPlan(s.h, s.w, f, rope, proportional, s.frames)
+        cache[key] = DitPlan(s.h, s.w, f, rope, proportional, s.frames, temporal)
     return cache[key]
 
 
@@ -295,7 +307,7 @@ class DitPool(methods.Downsample):
     self_attention_only = False
     # The settings that change a pooled block's cost beyond the method's own: part of the
     # measurement cache key (``measurements.key_config``; reuse: its refresh share is timed).
-    key_fields = ("rope", "blocks", "proportional", "schedule", "reuse")
+    key_fields = ("rope", "blocks", "proportional", "schedule", "reuse", "temporal")
     # The auto policy's fallback where nothing is measured: image tokens from which pooling
     # pays. CPU: `make bench-dit` (docs/speed.md#dits-flux-sd3; Flux and SD3 shapes, bf16, one
     # thread) paid by 5% from 576 tokens (384 px) and clearly (1.11x, 1.21x) at 1024 (512 px).
@@ -314,7 +326,8 @@ class DitPool(methods.Downsample):
         if plan is None:
             c = planner.config
             plan = call.plans[(t, h, w)] = DitPlan(h, w, c.downsample_factor, c.rope,
-                                                    getattr(c, "proportional", False), t)
+                                                    getattr(c, "proportional", False), t,
+                                                    getattr(c, "temporal", 1))
             planner.record(level, plan.tokens, plan.tokens - plan.pooled)
         return plan
 

@@ -64,6 +64,7 @@ class CallState(NamedTuple):
     reuse: Any = None
     parts: tuple = ()
     grid: Any = None  # ``dit.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
+    temporal: int = 1  # frames per cell (``ToMeConfig.temporal``)
 
     def position(self, block_type: Any, index: Any) -> int | None:
         """The block the host names (``block_type`` "double" or "single", ``block_index``)
@@ -191,7 +192,7 @@ def pool_call(state: CallState, f: int, start: int, q: torch.Tensor, k: torch.Te
     ``plans``); ``pe``: a rotation embedding the host applies inside its function (the
     queries and keys are rotated here, keys per ``rope``, and the kernel passes none on);
     ``part``: the block's part where this call reuses residuals (``state.reuse``)."""
-    p = dit.cached_plan(plans, state.spans, f, rope, state.proportional)
+    p = dit.cached_plan(plans, state.spans, f, rope, state.proportional, state.temporal)
     rotation = {} if pe is None else {"emb": pe, "rotate": dit.rotate,
                                       "positions": lambda e: p.rotations(e, start)}
     return step(p, start, q, k, v, dim, kernel, bias=bias, heads=heads, flat=flat, mask=mask,

@@ -90,7 +90,7 @@ class CacheKey:
 
 # Key fields added after readings were cached, with the value every earlier reading had: left
 # out at that value, so those readings keep their keys (as an image's key has no ``frames``).
-ADDED = {"reuse": 0}
+ADDED = {"reuse": 0, "temporal": 1}
 
 
 def key_config(layout: Any, config: ToMeConfig) -> dict[str, Any]:

@@ -265,11 +265,12 @@ class Core(Counts):
         if not any(f > 1 for f in factors):
             return None
         top = max(factors)
+        deep = self.applied.temporal
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
-                                                                  spans.frames))
+                                                                  spans.frames, deep))
         return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
                          reuse, reuse.parts() if reuse is not None else (),
-                         dit.grid_tensor(spans.frames, spans.h, spans.w))
+                         dit.grid_tensor(spans.frames, spans.h, spans.w), deep)
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,

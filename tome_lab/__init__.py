@@ -18,11 +18,12 @@ matplotlib, pillow, safetensors). One module per job:
   ``make speed-demo``)
 - ``tinyldm``: the small trained diffusion model the quality figures use
 - ``tinydit``: the small trained DiT (Flux-like joint blocks) the DiT quality figures use
+- ``tinyvdit``: the small trained video DiT (Wan, 32 px x 9 frames) the video figures use
 - ``dit_bench``: Flux-, SD3-, Qwen-Image- and Wan-shaped transformers (``dit_shapes``: their
   configs, sizes and inputs) timed unpooled and pooled (``make bench-dit``);
   ``dit_bias_bench``: what the proportional-attention bias costs per kernel;
-  ``video_quality``: Wan's 2x2 against 2x2x2 pooling (PSNR per frame, frame-to-frame
-  difference)
+  ``video_quality``: pooling on the trained tiny video DiT (per frame, time-axis cells,
+  reuse, step caches: PSNR/SSIM per frame, frame-to-frame difference, motion kept)
 - ``dit_quality``: the DiT settings' fidelity on the tiny DiT (PSNR, held-out loss);
   ``dit_frontier``: the DiT presets' frontier (approach by approach, its plot and grid)
 - ``unet_proportional``: proportional attention for UNet merging, measured (not shipped)

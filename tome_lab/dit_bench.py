@@ -28,7 +28,7 @@ umT5 width 4096; ``--wan-width 14b``: the 14B's 40 heads, 5120 wide, FFN 13824),
 ``--wan-blocks`` blocks, 512 text tokens (cross-attention), at ``--video-sizes`` WxHxF:
 832x480x33 is 9 latent frames of 60 x 104 (VAE 4x in time, 8x in space), 9 x 30 x 52 = 14040
 video tokens in every self-attention. Its variants add ``x2 2x2x2``: cells of 2x2 tokens and
-2 frames (the temporal factor; not a setting: patched in for measuring).
+2 frames (the ``temporal`` setting).
 
 Variants, interleaved round-robin in one run (A B C, C B A, ...), each the median of
 ``--rounds``: ``none`` (unpatched), ``x2`` and ``x4`` (``tome.apply_patch(model,
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome
-from tome import dit, layout, measure, memory, policy
+from tome import layout, measure, memory, policy
 from tome.layout import channels
 from tome.measurements import MeasurementCache, Measurer
 
@@ -91,7 +91,7 @@ TEXT_FIRST = ("flux", "qwen")  # joint sequence [text, image]; SD3's is [image, 
 def variants(family: str, size: Size | int = 0, before_large: bool = False
              ) -> dict[str, dict[str, Any] | None]:
     """Name -> ``apply_patch`` settings (None: unpatched; the ceiling is the kernel's;
-    ``temporal``: frames per cell, patched in by ``temporal_cells``)."""
+    ``temporal``: frames per cell, the setting)."""
     side = size.side if isinstance(size, Size) else size
     out: dict[str, dict[str, Any] | None] = {"none": None, "x2": {"downsample_factor": 2},
                                              "x4": {"downsample_factor": 4}}
@@ -104,42 +104,17 @@ def variants(family: str, size: Size | int = 0, before_large: bool = False
 
 
 @contextlib.contextmanager
-def temporal_cells(frames: int):
-    """While inside, the DiT form's plans pool ``frames`` frames deep (``DitPlan.temporal``;
-    not a setting: what measuring the 2x2x2 option needs)."""
-    real, pool3d = dit.DitPool.plan, F.avg_pool3d
-
-    def plan(self: Any, *args: Any, **kwargs: Any) -> dit.DitPlan:
-        p = real(self, *args, **kwargs)
-        return dit.DitPlan(p.h, p.w, p.factor, p.rope, p.proportional, p.frames, frames)
-
-    def avg_pool3d(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # PyTorch's CPU avg_pool3d has no bf16 kernel (torch 2.x): pooled in fp32 here
-        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-            return pool3d(x.float(), *args, **kwargs).to(x.dtype)
-        return pool3d(x, *args, **kwargs)
-    dit.DitPool.plan, F.avg_pool3d = plan, avg_pool3d
-    try:
-        yield
-    finally:
-        dit.DitPool.plan, F.avg_pool3d = real, pool3d
-
-
-@contextlib.contextmanager
 def patched(model, spec: dict[str, Any] | None):
     """``model`` pooled by ``spec`` (``apply_patch`` settings; None: as it is) for the
     duration; removed on the way out."""
     if spec is None:
         yield
         return
-    spec = dict(spec)
-    deep = spec.pop("temporal", 1)
-    with temporal_cells(deep) if deep > 1 else contextlib.nullcontext():
-        tome.apply_patch(model, method="downsample", **spec)
-        try:
-            yield
-        finally:
-            tome.remove_patch(model)
+    tome.apply_patch(model, method="downsample", **spec)
+    try:
+        yield
+    finally:
+        tome.remove_patch(model)
 
 
 # ----------------------------------------------------------------------------- the kernel
