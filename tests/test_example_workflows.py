@@ -215,9 +215,10 @@ def test_the_folded_node_is_the_size_the_frontend_computes():
     # preset, method, ratio, downsample_factor, policy and the button: 20 + 6 * 24 + 8 + 6
     assert folded_widgets() == 6 and body_height(1, folded_widgets()) == 178
     # every input drawn (21 widgets, before the extension): 568 px with the title, as issue 54
-    # measured in the real v0.30.0 frontend; 22 since ``paced``: one widget (20 + 4) more
+    # measured in the real v0.30.0 frontend; 23 since ``paced`` and ``temporal``: a widget
+    # (20 + 4) more each
     every = [name for part in inputs.input_types().values() for name in part if name != "model"]
-    assert TITLE + body_height(1, len(every)) == 568 + 24
+    assert TITLE + body_height(1, len(every)) == 568 + 2 * 24
 
 
 @pytest.mark.parametrize("path", workflows(), ids=lambda p: p.stem)
