@@ -6,9 +6,11 @@ reference MMDiT), written from its observed structure and call contract, not its
   run as ``block(context, x, c=c_mod)`` and return ``(context, x)``, then the tokens are
   unpatchified;
 - a joint block has a ``context_block`` and an ``x_block``; each block's
-  ``attn.pre_attention(tokens)`` returns q, k, v as ``[B, S, heads * D]``; the joint
-  sequence is ``[context, x]``, attended by a module-level ``attention(q, k, v, heads)`` that
-  views each of q, k, v with its own length; ``attn.post_attention`` projects the output.
+  ``attn.pre_attention(tokens)`` returns q and k as ``[B, S, heads * D]`` and v as ``[B, S,
+  heads, D]`` (A1111's ``split_qkv`` reshapes all three; only q and k, normed, are flattened
+  again); the joint sequence is ``[context, x]``, attended by a module-level ``attention(q, k,
+  v, heads)`` that views each of q, k, v with its own length and q's head width;
+  ``attn.post_attention`` projects the output.
 """
 
 import torch
@@ -16,8 +18,8 @@ import torch.nn.functional as F
 
 
 def attention(q, k, v, heads):
-    b = q.shape[0]
-    q, k, v = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    b, d = q.shape[0], q.shape[-1] // heads
+    q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
 
 
@@ -28,7 +30,8 @@ class SelfAttention(torch.nn.Module):
         self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
 
     def pre_attention(self, x):
-        return tuple(self.qkv(x).chunk(3, dim=-1))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return q, k, v.unflatten(-1, (self.num_heads, -1))
 
     def post_attention(self, x):
         return self.proj(x)

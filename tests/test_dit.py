@@ -591,6 +591,7 @@ def _mmdit_reference(model, x, t, ctx, f, sign=1.0):
         cb, xb = block.context_block, block.x_block
         (cq, ck, cv), c_res = mmdit_stub.DismantledBlock.pre_attention(cb, context, c)
         (xq, xk, xv), x_res = mmdit_stub.DismantledBlock.pre_attention(xb, tokens, c)
+        cv, xv = cv.flatten(2), xv.flatten(2)  # handed as [B, S, heads, D], as A1111's
         xk, xv = _reference_pool(xk, 0, h, w, f), _reference_pool(xv, 0, h, w, f)
         heads = xb.attn.num_heads
 

@@ -64,6 +64,9 @@ class PreAttention:
         if plan is None:
             percall_calls.record(self.source, percall_calls.OUTSIDE if self.image else None)
             return q, k, v
+        # A1111's ``split_qkv`` flattens q and k (normed) but hands v as [B, S, heads, D]; its
+        # kernel views each with q's head width, so a flat v is the same call
+        v = v.flatten(2) if v.dim() == 4 else v
         percall_calls.record(self.source, percall_calls.POOLED if self.image else None)
         if self.source.reuse.every:
             self.shared["image" if self.image else "text"] = (q, k, v)
