@@ -150,6 +150,6 @@ def test_a_plan_carries_its_frames_through_factor_and_bias():
     bias = plan.bias(2, 2 + t * h * w, "cpu")
     assert bias.tolist() == pytest.approx([0.0, 0.0] + [math.log(n) for n in sizes])
     assert plan.bias(2, 2 + t * h * w, "cpu") is bias  # once per plan
-    # frames pooled two deep at factor 1: still pooled, so still biased
-    assert dit.DitPlan(h, w, 1, "pooled", True, frames=t, temporal=2).biased
+    # a plan at factor 1 pools nothing, in time either (a schedule's x1 blocks stay whole)
+    assert not dit.DitPlan(h, w, 1, "pooled", True, frames=t, temporal=2).biased
     assert not dit.DitPlan(h, w, 1, "pooled", True, frames=t).biased
