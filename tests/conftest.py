@@ -20,6 +20,16 @@ def _no_grad():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _compiled_again():
+    """The eager stance a refreshing call takes (``reuse._Eager``, process-wide) is left
+    after each test: unit tests call ``Reuse.begin`` without a host bracket to end it, and a
+    later test's compiled model would run eager."""
+    yield
+    from tome import reuse
+    reuse.EAGER.clear()
+
+
 @pytest.fixture(scope="module")
 def sd15():
     """A tiny SD1.5-layout ldm UNet (same levels and 16 blocks), random weights."""

@@ -53,6 +53,7 @@ class _Probe:
             q = args[0] if args else kwargs["query"]
             self.calls.append((self.step, self.block, k.shape[-2] >= q.shape[-2]))
             return sdpa(*args, **kwargs)
+        self.monkeypatch = monkeypatch
         monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
 
     def _pre(self, *_):
@@ -66,6 +67,7 @@ class _Probe:
     def close(self):
         for h in self.handles:
             h.remove()
+        self.monkeypatch.undo()  # a MonkeyPatch made by hand is undone by hand
 
 
 def _stale(calls, every):
