@@ -144,6 +144,32 @@ def test_a_cache_that_skips_steps_keeps_reuses_refreshes(lines, monkeypatch, fam
     assert getattr(ours, mp.MARK).reuse.held_bytes() == 0
 
 
+def test_the_auto_policy_times_the_refresh_period_a_cache_leaves(lines, monkeypatch):
+    """LazyCache skips steps before the model call and reuse's refreshes move to the next
+    computed step, so the computed steps refresh more often than every 3: the sampling after
+    one the cache skipped in measures again (the runner's period: 3 x the share of the 12
+    steps computed, by hand from the cache's own record), the first times the settings' 3."""
+    from comfy.model_sampling import simple_sigmas
+
+    from tome import measurements
+    periods = []
+
+    def for_model(self, model, config, runner):
+        def measured(size, batch, device):
+            periods.append(runner.period())
+            return {level: (2.0, "test") for level in (1, 2)}  # pooling pays
+        return measured
+    monkeypatch.setattr(measurements.Measurer, "for_model", for_model)
+    base = dit_model()
+    (ours,) = nodes.ToMePatch().patch(base, **defaults(**{**REUSE, "policy": "auto"}))
+    (both,) = nodes_easycache.LazyCache().execute(ours, reuse_threshold=1.0)
+    sample(both)
+    sigmas = simple_sigmas(base.get_model_object("model_sampling"), 12)
+    skipped = {step_index(sigmas, s) for s in nodes_easycache.sample_wrapper.last.skipped}
+    sample(both)
+    assert skipped and periods == [3, round(3 * (12 - len(skipped)) / 12, 1)]
+
+
 def test_reuse_keys_its_steps_on_the_sampler_schedule(lines, monkeypatch):
     """The same settings without a cache refresh at steps 0, 3, 6, 9 of 12 (the sampler's
     own step numbers, read from ``sample_sigmas``)."""

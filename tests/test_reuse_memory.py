@@ -234,8 +234,10 @@ def test_the_second_expert_frees_the_firsts_residuals():
 
 def test_the_runner_times_the_refresh_share(monkeypatch):
     """With reuse every N, a timed pooled run also runs the unpooled attention on 1/N of the
-    queries against all keys (a refresh every N steps); without reuse it does not. The clock
-    counts attention work (query rows x key rows), so the measured speed-up is the work's."""
+    queries against all keys (a refresh every N steps); without reuse it does not. A period
+    given as a callable may be fractional (a step cache's skips: every 5 in half the steps
+    computed is every 2.5 of them). The clock counts attention work (query rows x key rows),
+    so the measured speed-up is the work's."""
     model = tiny_dit()
     layout = tome.layout.read(model)
     calls: list[tuple[int, int]] = []
@@ -256,21 +258,22 @@ def test_the_runner_times_the_refresh_share(monkeypatch):
         return float(sum(q * k for q, k in calls))
 
     speed = {}
-    for every in (0, 5):
+    for every in (0, 5, 2.5):
         seen.clear()
-        config = preset("quality", policy="fixed", reuse=every)
-        m = measure(model, (32, 32), 1, config, runner=processors.runner(layout, every),
+        config = preset("quality", policy="fixed", reuse=math.ceil(every))
+        period = every if every != 2.5 else (lambda: 2.5)
+        m = measure(model, (32, 32), 1, config, runner=processors.runner(layout, period),
                     clock=clock, rounds=3, warmup=0)
         full = seen["unmerged"][0]
         assert len({q for q, _ in full}) == 1 and all(q == k for q, k in full)
         s = full[0][0]  # text + image rows of the timed block
         pooled = [(s, k) for _, k in seen["merged"][0] if k < s]
         share = [(q, k) for q, k in seen["merged"][0] if k == s]
-        assert pooled and share == ([(-(-s // every), s)] if every else [])
+        assert pooled and share == ([(math.ceil(s / every), s)] if every else [])
         speed[every] = m.rows[0].speedup
         assert speed[every] == pytest.approx(s * s / (s * pooled[0][1] + sum(
             q * k for q, k in share)))
-    assert speed[5] < speed[0]
+    assert speed[2.5] < speed[5] < speed[0]
 
 
 def test_reuse_is_part_of_the_measurement_key():

@@ -242,3 +242,40 @@ def test_the_generation_bracket_resets_diffusers_caches_between_images():
         if patched:
             tome.apply_patch(fresh, **SETTINGS)
         assert torch.equal(second, _sample(fresh, 12, cls=1, seed=1))
+
+
+class _Periods:
+    """A measuring service (``Measurer.for_model``'s shape) that records the refresh period
+    each measurement would time (the runner's ``period``) and answers "pooling pays"."""
+
+    def __init__(self):
+        self.periods = []
+
+    def for_model(self, model, config, runner):
+        def measured(size, batch, device):
+            self.periods.append(runner.period())
+            return {level: (2.0, "test") for level in (1, 2)}
+        return measured
+
+
+def test_the_auto_policy_times_the_refresh_period_a_cache_leaves(monkeypatch):
+    """MagCache skips steps, and reuse's refreshes it skipped run at the next computed step,
+    so the computed steps refresh more often than every 3: the generation after one the
+    cache skipped in is measured again, timing every 3 x the share of steps computed (by
+    hand: the steps whose blocks ran, from the attention calls seen); the first generation
+    times the settings' 3, and a third with the same share measures nothing new."""
+    m = tinydit.load_model()
+    m.transformer.enable_cache(_mag(12))
+    periods = _Periods()
+    tome.apply_patch(m, measure=periods, **{**SETTINGS, "policy": "auto"})
+    probe = _Probe(monkeypatch, m)
+    try:
+        _sample(m, 12)
+        computed = len({s for s, _, _ in probe.calls})
+        _sample(m, 12)
+        _sample(m, 12)
+    finally:
+        probe.close()
+        tome.remove_patch(m)
+    assert 0 < computed < 12, "the cache skipped no step: nothing to check"
+    assert periods.periods == [EVERY, max(1.0, round(EVERY * computed / 12, 1))]

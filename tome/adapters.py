@@ -42,13 +42,14 @@ from .report import STATE_ATTR, PatchReport
 MODULES, MODEL_PATCHER = "modules", "model patcher"
 
 
-def runner(layout: Layout, contract: str = MODULES, reuse: int = 0) -> Callable | None:
+def runner(layout: Layout, contract: str = MODULES, reuse: Any = 0) -> Callable | None:
     """How a block of this model runs merged for measuring under ``contract``: the hooks' or
     the processors' runner for plain modules, the patch contract's for a ModelPatcher's UNet,
     the per-call core's (``percall_runner``: ComfyUI's backend, or Forge Neo's kernel) for a
     DiT behind a ModelPatcher; None where the contract cannot time the model (a DiT family
     neither form knows: the auto policy's token thresholds decide there). ``reuse``: the
-    settings' N, whose refresh share a per-call runner times too."""
+    settings' N (or a callable giving the period the generation will run,
+    ``Counts.refresh_period``), whose refresh share a per-call runner times too."""
     if contract == MODEL_PATCHER:
         if layout.dit is None:
             return patcher.run_block
@@ -247,9 +248,11 @@ def _measured(done: tuple[Any, PatchReport], layout: Layout, measurer: Any
     planner = done[1].planner
     if measurer is not None and planner is not None and not done[1].nothing \
             and planner.config.policy == "auto":
+        core = getattr(done[0], modelpatcher.MARK, None)  # the period it will run
+        period = core.refresh_period if planner.config.reuse and core is not None else 0
         planner.measurer = measurer.for_model(layout.root, planner.config,
-                                              runner(layout, MODEL_PATCHER,
-                                                     planner.config.reuse))
+                                              runner(layout, MODEL_PATCHER, period))
+        planner.variant = period or None  # a new period measures again
     return done
 
 

@@ -77,14 +77,15 @@ class Refresh:
     the pooled output plus a residual and its slope (the steps between refreshes; the output
     itself stands in for them: the same reads, nothing kept between runs), and the refresh's
     share: the unpooled attention, through the block's own kernel, on 1/``every`` of the
-    queries against all keys (``full(rows)``)."""
+    queries against all keys (``full(rows)``). ``every`` may be fractional: the period in the
+    steps a step cache leaves to compute (``Counts.refresh_period``)."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: float):
         self.every = every
 
     def around(self, key: tuple, out: torch.Tensor, full: Any, dim: int = 1,
                span: Any = None) -> torch.Tensor:
-        full(-(-out.shape[dim] // self.every))
+        full(math.ceil(out.shape[dim] / self.every))
         return out + out + out * float(self.every - 1)
 
 

@@ -95,6 +95,7 @@ class PatchHandle:
         """A DiT's attention calls since ``since``: how many pooled, what the rest were."""
         sampling = getattr(self._mark, "sampling", None)
         steps = sampling() if callable(sampling) else None
+        self._mark.note(steps)  # what a step cache left to compute: the auto policy's next
         return percall_calls.line(self._mark.tallies(), since[1], steps)
 
     def reached(self, since: Any) -> bool:
@@ -119,7 +120,13 @@ class PatchHandle:
 
     def reset(self, steps: int | None = None) -> None:
         """Drop what the patch keeps across steps (a generation's start or end); ``steps``:
-        the next generation's step count, where known (reuse's refreshes are paced to it)."""
+        the next generation's step count, where known (reuse's refreshes are paced to it).
+        The steps counted since the last reset are noted first (what a step cache left to
+        compute: the auto policy's next measurement times it, ``Counts.refresh_period``)."""
+        mark = self._mark
+        if getattr(mark, "ran", None):
+            mark.note(percall_calls.steps_of(mark))
+            mark.forget_steps()
         reset = getattr(self._mark, "reset", None)
         if callable(reset):
             reset()

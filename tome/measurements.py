@@ -106,12 +106,13 @@ def key_config(layout: Any, config: ToMeConfig) -> dict[str, Any]:
 
 
 def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfig, *,
-              levels: Iterable[int] | None = None) -> CacheKey:
+              levels: Iterable[int] | None = None, refresh: float = 0) -> CacheKey:
     """Everything that changes ``measure``'s answer: device (and CUDA compute capability),
     torch version, attention backend, dtype, CPU threads, architecture, latent (``(height,
     width)``; a video's ``(frames, height, width)`` adds ``frames``, so an image's key is
     what it always was), batch, the levels measured and the config fields that change the
-    merged cost."""
+    merged cost; ``refresh``: residual reuse's period where it is not the settings' N (paced
+    to the steps, or a step cache's skips: ``Counts.refresh_period``)."""
     layout = read(model)
     by_level, chosen = layout.levels_to_measure(config, levels)
     p = next(by_level[chosen[0]][0].parameters()) if chosen else next(layout.root.parameters())
@@ -133,6 +134,8 @@ def cache_key(model: Any, latent: tuple[int, ...], batch: int, config: ToMeConfi
     }
     if frames > 1:
         parts["frames"] = frames
+    if refresh and refresh != config.reuse:
+        parts["refresh"] = refresh
     return CacheKey.of(parts)
 
 
@@ -286,18 +289,21 @@ class Measurer:
         elsewhere until they run), a timed run would not fit in memory (``memory.py``; not
         remembered: memory may be free next time), measuring failed, or the latent is a
         video's (``(frames, height, width)``) and ``runner`` cannot time one (only the per-call
-        DiT forms' runner says ``video``)."""
+        DiT forms' runner says ``video``). A runner's ``period`` (residual reuse's refresh
+        period the generation will run) is part of the key: a new one is measured anew."""
         self.reason = None
         grid, size = latent_grid(latent), size_text(latent)
         if grid[0] > 1 and not getattr(runner, "video", False):
             return self._not(f"ToMe: not measured at {size}: video grids are not timed yet; "
                              "the token thresholds decide")
         latent = grid[1:] if grid[0] == 1 else grid  # an image: (height, width), as ever
+        period = getattr(runner, "period", None)
+        refresh = period() if period is not None else 0
         try:
-            quick = self._quick(model, latent, batch, config, levels)
+            quick = (*self._quick(model, latent, batch, config, levels), refresh)
             if self.seen.get(quick) in self.results:
                 return self.results[self.seen[quick]]
-            key = cache_key(model, latent, batch, config, levels=levels)
+            key = cache_key(model, latent, batch, config, levels=levels, refresh=refresh)
             found = self.results.get(key.digest) or self.cache.get(key)
             if found is None:
                 found = self._measure(model, latent, batch, config, device, runner, levels, key)

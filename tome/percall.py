@@ -241,6 +241,8 @@ class Core(Counts):
             sigmas = float(sigmas.reshape(-1)[0]) if use and sigmas.numel() else None
         p = self.layout.dit.patch
         size = (spans.frames, spans.h * p, spans.w * p)
+        if self.reuse is not None and total:  # before a measurement: it times this period
+            self.reuse.pace(total)
         call = self.planner.begin(size, device, sigmas, batch)
         if call is None:
             return None
@@ -251,8 +253,6 @@ class Core(Counts):
         if (schedule.varies() or self.reuse is not None) and sigmas is not None:
             progress = self.planner.window.progress(sigmas)
         reuse = None
-        if self.reuse is not None and total:
-            self.reuse.pace(total)
         if self.reuse is not None and progress is not None:
             self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device, step)
             if x is not None:  # what reuse will keep, checked before it keeps it

@@ -44,6 +44,7 @@ class Counts:
         self.moved: set[tuple[int, int]] = set()  # refreshes a cache skipped: (due, ran at)
         self.ran: Counter = Counter()  # step -> pooled attention calls (``settled``)
         self.empty = 0  # model calls with reuse that ran no pooled attention (a cache's)
+        self.computed = 1.0  # the share of the last sampling's steps its blocks computed
         self.compiled = self.silent = 0  # model calls reaching it uncounted / not reaching it
         self.on_silent: Any = None  # told once: installed, never reached
 
@@ -77,6 +78,24 @@ class Counts:
         if done.refreshed:
             self.refreshed.add(done.step)
         self.moved.update(done.moved)
+
+    def note(self, steps: Steps | None) -> Steps | None:
+        """A sampling's steps, told at its end (``Steps``): the share of them its pooled
+        blocks computed (a step cache skips whole steps or some blocks), kept for
+        ``refresh_period``; ``steps`` handed back."""
+        most = max(self.ran.values(), default=0)
+        if steps is not None and steps.total and most:
+            self.computed = min(1.0, sum(self.ran.values()) / (most * steps.total))
+        return steps
+
+    def refresh_period(self) -> float:
+        """Residual reuse's refresh period in the steps the next sampling will compute, what
+        the auto policy times (``attend.Refresh``): the settings' N (paced to the sampling's
+        steps, ``Reuse.pace``) times the share of steps the last sampling computed. A step
+        cache's skipped refreshes run at the next computed step, so with a cache skipping
+        half the steps, every 5 refreshes every 2.5 computed ones. 0 without reuse."""
+        every = getattr(getattr(self, "reuse", None), "every", 0) or 0
+        return max(1.0, round(every * self.computed, 1)) if every else 0
 
     def forget_steps(self) -> None:
         """A sampling starts: its steps are counted anew."""

@@ -25,7 +25,7 @@ class _Timed:
         self.plans: dict[tuple, dit.DitPlan] = {}
 
 
-def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
+def runner(kernel: tuple[str, str], reuse: Any = 0) -> Callable:
     """``measure``'s runner for a DiT whose attention is reached per call (ComfyUI's override,
     Forge Neo's swap: ``kernel`` names the host's backend ``(q, k, v, heads, mask)``, torch's
     SDPA where it is not loaded): a block's token-wise work (each of its linear layers on the
@@ -34,9 +34,9 @@ def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
     per-sample layers (modulation) are counted per token. ``reuse`` (the settings' N): a
     pooled run also costs what residual reuse adds per step (the refresh's share: the
     unpooled attention on 1/N of the queries; the residual added), so the auto policy
-    weighs what the generation will run."""
+    weighs what the generation will run; a callable gives the period then (``period``)."""
     timed = _Timed()
-    share = (attend.Refresh(reuse), (object(),)) if reuse else (None, ())
+    period = reuse if callable(reuse) else (lambda: reuse)
 
     def run(block: nn.Module, x: torch.Tensor, context: Any, planner: Any, p: Any) -> Any:
         func = getattr(sys.modules.get(kernel[0]), kernel[1], None) or _sdpa
@@ -45,6 +45,8 @@ def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
                 m(x if m.in_features == x.shape[-1] else x.new_zeros(*x.shape[:-1],
                                                                     m.in_features))
         heads = heads_of(block, x.shape[-1])
+        every = period()
+        share = (attend.Refresh(every), (object(),)) if every else (None, ())
         state = None if p is None else CallState(Spans(0, True, 0, p.frames, p.h, p.w),
                                                  (p.factor,), 0, bool(p.proportional),
                                                  *share)
@@ -57,6 +59,7 @@ def runner(kernel: tuple[str, str], reuse: int = 0) -> Callable:
                          else func(q, k, v, heads), timed.plans, bias=bias, heads=heads,
                          part=state.part(None, 0))
     run.video = True  # a video's grid runs as the generation pools it (``Measurer.get``)
+    run.period = period  # the measurement's key names it (``Measurer.for_model``)
     return run
 
 

@@ -223,6 +223,11 @@ class Planner:
         # asked once per latent size, in eager mode only (never while compiling a graph).
         self.measurer = measurer if config.policy == "auto" else None
         self.measured: dict[tuple[int, int, int], dict[int, policy.LevelSpeed]] = {}
+        # What a measurement depends on beyond the size, read before each call (residual
+        # reuse's refresh period in the steps that will run: paced, a step cache's skips): a
+        # new value measures that size again. ``_as``: the value each size was measured at.
+        self.variant: Callable[[], Any] | None = None
+        self._as: dict[tuple[int, int, int], Any] = {}
         # Without random destinations the partition never changes: kept across calls.
         self.fixed: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # (level, tokens, device kind, measured) -> policy.Decision, filled as levels are met.
@@ -234,7 +239,7 @@ class Planner:
         # recomputing).
         self.on_decided: Callable[[tuple[int, int, int], list[policy.Decision]], Any] | None \
             = None
-        self._told: set[tuple[tuple[int, int, int], str]] = set()
+        self._told: set[tuple] = set()  # (size, kind, measured at)
 
     def begin(self, size: tuple[int, ...], device: torch.device, timestep: Any,
               batch: int = 1) -> Call | None:
@@ -265,18 +270,23 @@ class Planner:
     def prepare(self, size: tuple[int, ...], batch: int, device: torch.device) -> None:
         """Measure at ``size`` now, if the policy measures and nothing is known yet."""
         size = policy.latent_grid(size)
-        if self.measurer is not None and size not in self.measured and not merge.compiling():
+        if self.measurer is None or merge.compiling():
+            return
+        now = self.variant() if self.variant is not None else None
+        if size not in self.measured or self._as.get(size) != now:
             self.measured[size] = self.measurer(size, batch, device) or {}
+            self._as[size] = now
 
     def announce(self, size: tuple[int, ...], kind: str) -> None:
         """Tell ``on_decided`` the decisions at ``size`` on ``kind`` once they are known: now,
         or (when this size is still to be measured) right after measuring, at the first call.
         The decisions are the ones the blocks then use."""
         size = policy.latent_grid(size)
-        if self.on_decided is None or merge.compiling() or (size, kind) in self._told \
+        told = (size, kind, self._as.get(size))  # measured again: told again
+        if self.on_decided is None or merge.compiling() or told in self._told \
                 or (self.measurer is not None and size not in self.measured):
             return
-        self._told.add((size, kind))
+        self._told.add(told)
         measured = self.measured.get(size) or {}
         self.on_decided(size, [self.decision(lv, policy.level_tokens(size, lv), kind,
                                              measured.get(lv)) for lv in self.levels])

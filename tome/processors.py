@@ -191,11 +191,14 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
         report.levels[d.patch] = report.levels.get(d.patch, 0) + 1
     if not targets:  # every named block skipped (``report.nothing`` says why)
         return report
-    measured = measurer.for_model(model, config, runner(layout, config.reuse)) \
+    # reuse's period as the generation will run it (``state``'s, made below before any call)
+    period = (lambda: state.refresh_period()) if config.reuse else 0
+    measured = measurer.for_model(model, config, runner(layout, period)) \
         if measurer is not None else None
     lo, hi = schedule.window()  # the planner lets in the steps where any block pools
     report.planner = _plan.Planner(config.replace(start=lo, end=hi), d.patch, measured,
                                    sorted(report.levels), method=method)
+    report.planner.variant = period or None  # a new period measures again
     state = _State(config, report, layout)
     state.reuse.order = tuple(i for i, _ in targets)
     if config.reuse:
@@ -254,7 +257,7 @@ def _generation(pipe: Any, steps: int | None = None) -> Any:
             if not failed and not st.removed and st.calls > counts[0]:  # compiled: uncounted
                 say = st.budget.say if st.budget is not None else console.line
                 say(st.not_pooled(counts) or percall_calls.line(
-                    st.tallies(), tallies, percall_calls.steps_of(st)))
+                    st.tallies(), tallies, st.note(percall_calls.steps_of(st))))
     return end
 
 

@@ -175,20 +175,23 @@ class Fixed:
         return self.plan
 
 
-def runner(layout: Layout, reuse: int = 0):
+def runner(layout: Layout, reuse: Any = 0):
     """``run_block(block, x, context, planner, plan)`` for ``measure``: one DiT block on image
     tokens ``x`` with the inputs its family draws for it (``Family.inputs``: a text of the
     family's length, a time embedding, positions), pooled by ``plan`` (None: unpooled),
     through the same wrapper a patched block runs; the block is restored. ``reuse`` (the
-    settings' N): a pooled run also costs what reuse adds per step (``attend.Refresh``), so the
-    auto policy weighs what the generation will run."""
+    settings' N, or a callable giving the period the generation will run: ``period``): a
+    pooled run also costs what reuse adds per step (``attend.Refresh``), so the auto policy
+    weighs what the generation will run."""
     family = dits.of(layout)
-    refresh = _attend.Refresh(reuse) if reuse else None
+    period = reuse if callable(reuse) else (lambda: reuse)
 
     def run_block(block: nn.Module, x: torch.Tensor, context: Any, planner: _plan.Planner,
                   plan: Any) -> Any:
         args, kwargs = family.inputs(layout, x, planner.size)
-        source = Fixed(plan, layout.dit.text_tokens, refresh if plan is not None else None)
+        every = period()
+        refresh = _attend.Refresh(every) if every and plan is not None else None
+        source = Fixed(plan, layout.dit.text_tokens, refresh)
         wrapped = wrap(block, family, source)
         try:
             return block(*args, **kwargs)
@@ -197,4 +200,5 @@ def runner(layout: Layout, reuse: int = 0):
     # a video family's inputs build the video grid's positions: its grids are timed as the
     # generation pools them, per frame (``Measurer.get``), as the per-call hosts' runner
     run_block.video = getattr(layout.dit, "frame_patch", None) is not None
+    run_block.period = period  # the measurement's key names it (``Measurer.for_model``)
     return run_block
