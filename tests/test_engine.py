@@ -77,6 +77,14 @@ def test_two_threads_sampling_two_clones_each_equal_their_single_threaded_run():
     (ours,) = nodes.ToMePatch().patch(flux(), **defaults(**REUSE))
     clones = [copy.deepcopy(ours), copy.deepcopy(ours)]
     alone = [sample(c, seed=i) for i, c in enumerate(clones)]
+    got = in_lockstep(clones)
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+    assert not torch.equal(alone[0], alone[1])
+
+
+def in_lockstep(clones):
+    """Sample two clones in two threads at once (clone ``i`` with seed ``i``), each model
+    call waiting for the other thread's: the latents."""
     barrier = threading.Barrier(2)
     for c in clones:
         inner = c.model.apply_model
@@ -101,8 +109,7 @@ def test_two_threads_sampling_two_clones_each_equal_their_single_threaded_run():
     for t in threads:
         t.join(120)
     assert not errors, errors
-    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
-    assert not torch.equal(alone[0], alone[1])
+    return got
 
 
 def _loop(m, x, ts, cls):

@@ -229,10 +229,9 @@ def test_multigpu_worker_threads_share_the_main_patch_and_pool_as_one_gpu():
     (tests/test_engine.py's two-thread test deep-copies the patch instead). Each thread gives
     bit for bit what its clone gives alone. One device here: the node's split itself is not
     run."""
-    import threading
 
     from comfy_node import defaults
-    from test_engine import REUSE, flux, sample
+    from test_engine import REUSE, flux, in_lockstep, sample
 
     from tome.comfy import nodes
 
@@ -243,30 +242,7 @@ def test_multigpu_worker_threads_share_the_main_patch_and_pool_as_one_gpu():
         c.model = flux().model  # the loader's model anew (deepclone_multigpu)
         clones.append(c)
     alone = [sample(c, seed=i) for i, c in enumerate(clones)]
-    barrier = threading.Barrier(2)
-    for c in clones:
-        inner = c.model.apply_model
-
-        def lockstep(*args, _inner=inner, **kwargs):
-            barrier.wait(timeout=60)
-            return _inner(*args, **kwargs)
-        c.model.apply_model = lockstep
-    got: list = [None, None]
-    errors: list = []
-
-    def run(i):
-        try:
-            got[i] = sample(clones[i], seed=i)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    got = in_lockstep(clones)
     assert clones[0].wrappers and all(
         w0 is w1 for k in ours.wrappers for key in ours.wrappers[k]
         for w0, w1 in zip(clones[0].wrappers[k][key], clones[1].wrappers[k][key]))
