@@ -7,7 +7,8 @@ or with a rotation embedding the function applies) and no token grid. So the gri
 from outside: once per model call the host's shim reads the latent, the text length and any
 reference latents (``Spans``: text, image frames x rows x columns, tokens before and after
 the image), and ``Core`` (one per patch: the settings as applied, the step window, the
-policy, each block's factor) turns them and the step's sigma into a ``CallState``. The shim
+policy, each block's factor) turns them and the step's sigma into a ``CallState``, the
+call planned as every bracket plans it (``callplan.Planned.plan_call``). The shim
 makes that state current for the call (``Core.running``, the one bracket: a module slot the
 attention calls read, counted and put back in ``finally``), and at each attention call hands
 its tensors to ``pool_call`` with a ``kernel(q, k, v, mask)`` that calls what the host would

@@ -14,8 +14,9 @@ processors (A1111's MMDiT) puts its own pooled path on the block (``Family.shado
 measuring runs a block on the family's inputs (``runner``, ``Family.inputs``).
 
 Per transformer call a pre-hook reads the call the family's way (``Family.call``: the latent
-grid, the text length, the timestep); the shared ``plan.Planner`` says whether this call
-pools, the schedule which factor each block gets. Nothing here names a family.
+grid, the text length, the timestep) and plans it as every bracket does
+(``callplan.Planned.plan_call``, the per-call core's planner too: the window in timesteps,
+the policy, reuse, the budget, each block's factor). Nothing here names a family.
 """
 
 from __future__ import annotations
