@@ -194,3 +194,37 @@ def test_a_worker_thread_that_ended_leaves_nothing_kept_behind():
     other.start()
     other.join()
     assert reuse.held_bytes() == 0 and len(reuse._lanes) == 1
+
+
+def test_every_bracket_plans_its_call_through_the_one_planner(tiny, monkeypatch):
+    """The processors' pre-hook (diffusers, A1111's SD3) and the per-call core (ComfyUI)
+    plan each model call through ``callplan.Planned.plan_call``, their differences handed
+    in: the diffusers Flux timestep with its scale (a 0-999 window), ComfyUI's sigma with
+    the call's identity. Where the one planner says nothing pools, neither path pools: its
+    output is the unpatched model's, bit for bit (before, each path planned on its own)."""
+    from tome import callplan
+
+    seen: list = []
+    real = callplan.Planned.plan_call
+
+    def spy(self, size, tokens, device, noise, batch, **kw):
+        seen.append((type(self).__name__, kw.get("scale"), kw.get("who")))
+        return None if off else real(self, size, tokens, device, noise, batch, **kw)
+    monkeypatch.setattr(callplan.Planned, "plan_call", spy)
+    m = copy.deepcopy(tiny)
+    ts, cls = schedule(4).tolist(), torch.tensor([2])
+    x = torch.randn((1, 3, 32, 32), generator=torch.Generator().manual_seed(0))
+    ref = _loop(m, x, ts, cls)
+    unpatched = sample(flux(), steps=3)
+    tome.apply_patch(m, config=tome.preset("quality", policy="fixed"))
+    (ours,) = nodes.ToMePatch().patch(flux(), **defaults(**REUSE))
+    try:
+        off = False
+        assert not torch.equal(_loop(m, x, ts, cls), ref)
+        assert not torch.equal(sample(ours, steps=3), unpatched)
+        assert ("_State", 1000.0, None) in seen and ("OverridePatch", None, (0,)) in seen
+        off = True
+        assert torch.equal(_loop(m, x, ts, cls), ref)
+        assert torch.equal(sample(ours, steps=3), unpatched)
+    finally:
+        tome.remove_patch(m)

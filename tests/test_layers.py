@@ -31,6 +31,7 @@ LAYERS = [
     ("tome.policy", "tome.layout", "tome.memory", "tome.budget"),
     ("tome.timing_results",),  # what measure found: pure data, kept by measurements
     ("tome.plan",),
+    ("tome.callplan",),  # the one planner of a DiT model call, for every bracket
     ("tome.report",),
     ("tome.handle",),   # the patch handle: what a host drives a ModelPatcher patch by
     # the ModelPatcher contract's helpers; the per-call DiT core under the override and swap

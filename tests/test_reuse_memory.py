@@ -174,13 +174,13 @@ def test_too_little_free_memory_steps_down_the_ladder_to_no_reuse(monkeypatch, c
         out = capsys.readouterr().out
         assert out.count("\n") == 1 and "it is off" in out
         assert st.budget.keep.blocks == 0 and st.reuse.held_bytes() == 0
-        assert st.schedule.items == dit.schedule_of(without_reuse(config)).items
+        assert st.call.schedule.items == dit.schedule_of(without_reuse(config)).items
         assert tome.patch_report(model).summary().endswith(
             "reuse off (not enough memory): x2 in single blocks, steps 0.3-1")
         free["now"] = free_for(full)  # memory back: the next generation reuses again
         steps(model, 6)
         assert st.budget.keep == attend.Keep()
-        assert st.schedule.items == dit.schedule_of(config).items
+        assert st.call.schedule.items == dit.schedule_of(config).items
         assert st.reuse.held_bytes() == full
     finally:
         tome.remove_patch(model)

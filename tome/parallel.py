@@ -106,7 +106,7 @@ def shard(st: Any, x: Any) -> None:
         return
     check(st.layout.root)
     n = ranks(cp)
-    factors = tuple(sorted({plan.factor, *(item[1] for item in st.schedule.items)} - {0}))
+    factors = tuple(sorted({plan.factor, *(item[1] for item in st.call.schedule.items)} - {0}))
     got = shard_grid(plan.frames, plan.h, plan.w, n, factors, plan.temporal)
     split = text_split(st.layout.root)
     # tokens beside the image: references after it (Kontext), or before it where they are

@@ -7,7 +7,8 @@ or with a rotation embedding the function applies) and no token grid. So the gri
 from outside: once per model call the host's shim reads the latent, the text length and any
 reference latents (``Spans``: text, image frames x rows x columns, tokens before and after
 the image), and ``Core`` (one per patch: the settings as applied, the step window, the
-policy, each block's factor) turns them and the step's sigma into a ``CallState``. The shim
+policy, each block's factor) turns them and the step's sigma into a ``CallState``, the
+call planned as every bracket plans it (``callplan.Planned.plan_call``). The shim
 makes that state current for the call (``Core.running``, the one bracket: a module slot the
 attention calls read, counted and put back in ``finally``), and at each attention call hands
 its tensors to ``pool_call`` with a ``kernel(q, k, v, mask)`` that calls what the host would
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from . import attend, budget, dit, merge, plan
+from .callplan import Planned
 from .config import ToMeConfig, without_reuse
 from .kv import CallState, Spans
 from .layout import Layout
@@ -122,7 +124,7 @@ def note(skipped: list, block: Any, why: str) -> None:
 
 # ----------------------------------------------------------------------------- one patch
 
-class Core(Counts):
+class Core(Counts, Planned):
     """One patched model: the settings as the per-call forms apply them, the planner (step
     window, policy), each block's factor, the counts of what its model calls did.
 
@@ -148,8 +150,7 @@ class Core(Counts):
             ("residual reuse", config.reuse and not reuses)) if on]
         self.schedule = dit.schedule_of(self.applied)
         self.kinds = [b.kind for b in layout.blocks]
-        self.factors = tuple(self.schedule.factor(i, kind, len(self.kinds), None)
-                             for i, kind in enumerate(self.kinds))
+        self.factors = self.static_factors()
         self.chosen = {i for i, f in enumerate(self.factors) if f > 1}
         self.doubles = self.kinds.count("double")
         start, end = self.schedule.window()
@@ -231,44 +232,23 @@ class Core(Counts):
               x: torch.Tensor | None = None, step: int | None = None,
               total: int | None = None) -> CallState | None:
         """This call's state, or None where it pools nothing (window, policy, no block pooled
-        at this step). A ``sigmas`` tensor is read on the host once, only where a window, a
-        per-step schedule or reuse needs it (a float: read already). ``who``: the host's
-        identity of the call (``cond_or_uncond``); ``x``: its latent (the memory budget
-        reads it); ``step``: the sampler's step, where the host tells it (``Reuse.begin``),
-        and ``total`` its steps (reuse's refreshes paced to them, ``Reuse.pace``)."""
-        if isinstance(sigmas, torch.Tensor):
-            use = self.reuse is not None or self.schedule.varies() or not self.planner.window.full
-            sigmas = float(sigmas.reshape(-1)[0]) if use and sigmas.numel() else None
+        at this step): the call planned as every bracket plans it (``Planned.plan_call``:
+        ``sigmas`` read on the host once where needed, a float: read already). ``who``: the
+        host's identity of the call (``cond_or_uncond``); ``x``: its latent (the memory
+        budget reads it); ``step``: the sampler's step, where the host tells it
+        (``Reuse.begin``), and ``total`` its steps (reuse's refreshes paced to them)."""
         p = self.layout.dit.patch
-        size = (spans.frames, spans.h * p, spans.w * p)
-        if self.reuse is not None and total:  # before a measurement: it times this period
-            self.reuse.pace(total)
-        call = self.planner.begin(size, device, sigmas, batch)
-        if call is None:
+        got = self.plan_call((spans.frames, spans.h * p, spans.w * p), spans.image, device,
+                             sigmas, batch, grid=(spans.frames, spans.h, spans.w),
+                             text=spans.text + spans.before + spans.after, who=who, x=x,
+                             step=step, total=total)
+        if got is None or not any(f > 1 for f in got.factors):
             return None
-        tokens = spans.image
-        if not self.planner.decision(p, tokens, call.kind, call.measured.get(p)).merged:
-            return None
-        factors, schedule, progress = self.factors, self.schedule, None
-        if (schedule.varies() or self.reuse is not None) and sigmas is not None:
-            progress = self.planner.window.progress(sigmas)
-        reuse = None
-        if self.reuse is not None and progress is not None:
-            self.reuse.begin(progress, batch, (spans.frames, spans.h, spans.w), who, device, step)
-            if x is not None:  # what reuse will keep, checked before it keeps it
-                schedule = self.budget.begin(x, size, spans.text + spans.before + spans.after,
-                                             progress)
-            reuse = self.reuse if self.reuse.active else None
-        if progress is not None and (schedule.varies() or schedule is not self.schedule):
-            factors = tuple(schedule.factor(i, kind, len(self.kinds), progress)
-                            for i, kind in enumerate(self.kinds))
-        if not any(f > 1 for f in factors):
-            return None
-        top = max(factors)
-        deep = self.applied.temporal
+        tokens, top, deep = spans.image, max(got.factors), self.applied.temporal
         self.planner.record(p, tokens, tokens - dit.pooled_tokens(spans.h, spans.w, top,
                                                                   spans.frames, deep))
-        return CallState(spans, factors, self.doubles, bool(self.applied.proportional),
+        reuse = got.reuse
+        return CallState(spans, got.factors, self.doubles, bool(self.applied.proportional),
                          reuse, reuse.parts() if reuse is not None else (),
                          dit.grid_tensor(spans.frames, spans.h, spans.w), deep)
 

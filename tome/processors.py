@@ -14,30 +14,32 @@ processors (A1111's MMDiT) puts its own pooled path on the block (``Family.shado
 measuring runs a block on the family's inputs (``runner``, ``Family.inputs``).
 
 Per transformer call a pre-hook reads the call the family's way (``Family.call``: the latent
-grid, the text length, the timestep); the shared ``plan.Planner`` says whether this call
-pools, the schedule which factor each block gets. Nothing here names a family.
+grid, the text length, the timestep) and plans it as every bracket does
+(``callplan.Planned.plan_call``, the per-call core's planner too: the window in timesteps,
+the policy, reuse, the budget, each block's factor). Nothing here names a family.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import attend as _attend
 from . import brackets, budget, console, dit, dits, merge, parallel, percall, percall_calls, policy
 from . import plan as _plan
+from .callplan import CallPlan, Planned
 from .config import ToMeConfig
 from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
 from .wrappers import PoolingProcessor, block_problem, runner, unwrap, wrap
 
 
-class _State(percall_calls.Counts, percall.Flags):
-    """One patched DiT: the planner, the current call's plan, progress and text length, the
-    kept residuals of ``reuse``, and the counts of what its calls did (``Counts``: the same
-    after-sampling line the per-call hosts print)."""
+class _State(percall_calls.Counts, percall.Flags, Planned):
+    """One patched DiT: the planner, the current call's plan (planned as every bracket plans
+    a call: ``Planned.plan_call``), its text length, the kept residuals of ``reuse``, and
+    the counts of what its calls did (``Counts``: the same after-sampling line the per-call
+    hosts print)."""
 
     NO_CALLS = "no transformer call ran"
     NEVER_CALLED = "the pooling processors were installed but never called"
@@ -49,12 +51,13 @@ class _State(percall_calls.Counts, percall.Flags):
         self.family = dits.of(layout)
         self.planner: _plan.Planner = report.planner
         self.schedule = dit.schedule_of(config)
-        self.count = len(layout.blocks)
+        self.kinds = [b.kind for b in layout.blocks]
+        self.factors = self.static_factors()
         self.handles: list[Any] = []   # hook handles on the transformer
         self.wrapped: list[tuple[nn.Module, str, Any, Any]] = []  # (module, name, before, ours)
         self.plan: dit.DitPlan | None = None
         self.plans: dict[int, dit.DitPlan] = {}  # this call's plan per scheduled factor
-        self.p: float | None = None    # this call's sampling progress, where read
+        self.call: CallPlan | None = None  # this call's (progress, factors)
         self.text = 0                  # text tokens in this call (single blocks' span start)
         self.memo: dict = {}           # the family's call reading keeps what it may reuse
         self.reuse = _attend.Reuse(config.reuse, paced=config.paced)
@@ -81,10 +84,10 @@ class _State(percall_calls.Counts, percall.Flags):
 
     def plan_for(self, index: int, kind: str) -> dit.DitPlan | None:
         """Block ``index``'s plan in this call: the schedule's factor for it now, or None."""
-        base = self.plan
-        if base is None:
+        base, call = self.plan, self.call
+        if base is None or call is None:
             return None
-        f = self.schedule.factor(index, kind, self.count, self.p)
+        f = call.factors[index]
         if f == 0:
             return None
         if f == base.factor:
@@ -120,18 +123,14 @@ class _Hooks:
         if counted:
             self.placed = True
         x, size, st.text, t = got
-        c = st.planner.config  # its window is the schedule's
-        read = st.schedule.varies() or st.reuse.every > 0
-        if isinstance(t, torch.Tensor) and (c.start > 0 or c.end < 1 or read):
-            t = t * d.timestep_scale
-        st.plans, st.p = {}, None
-        call = st.planner.begin(size, x.device, t, x.shape[0])
-        if call is not None:  # an image's h x w tokens, a video's frames x h x w
-            n = policy.level_tokens(size, d.patch)
-            st.plan = st.planner.plan(call, x.new_zeros(()).expand(x.shape[0], n, 1))
+        st.plans, st.call = {}, None
+        n = policy.level_tokens(size, d.patch)  # an image's h x w tokens, a video's f x h x w
+        # a 0-999 timestep window: the model's timestep in its own units (``timestep_scale``)
+        st.call = st.plan_call(size, n, x.device, t, x.shape[0], grid=tuple(size),
+                               text=st.text, x=x, scale=d.timestep_scale)
+        if st.call is not None:
+            st.plan = st.planner.plan(st.call.call, x.new_zeros(()).expand(x.shape[0], n, 1))
             parallel.shard(st, x)  # context parallelism: this rank's shard, or refused
-            if st.plan is not None and read and t is not None:
-                _progress(st, x, size, t)
         st.push()
 
     @merge.host_side
@@ -149,17 +148,6 @@ class _Hooks:
             st.count_call(st.flags, self.seen, self.placed, active)
             # what reuse did: refreshed, a refresh a step cache skipped moved here
             st.settled(st.reuse.settle(), st.tally[percall_calls.POOLED] - self.pooled)
-
-
-@merge.host_side
-def _progress(st: _State, x: torch.Tensor, size: Any, t: Any) -> None:
-    """The one host read of a call (as the planner's window), only where needed: the
-    progress, reuse's state and the memory budget (eager under a whole-model compile)."""
-    tv = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
-    st.p = st.planner.window.progress(tv)  # a 0-999 timestep window
-    st.reuse.begin(st.p, x.shape[0], tuple(size), device=x.device)
-    if st.budget is not None:  # what reuse will keep, checked before it keeps it
-        st.schedule = st.budget.begin(x, size, st.text, st.p)
 
 
 # ----------------------------------------------------------------------------- public API
