@@ -4,6 +4,7 @@ attention functions bound by name at import, the UnetPatcher's single wrapper sl
 sigmas Neo hands), driven by the real script as Neo drives a generation."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from webui_stub.harness import WebUI, neo, shared
 from tome import adapters, kv, swap
 from tome.config import ToMeConfig
 from tome.dits import neo_nunchaku
+from tome.webui import host
 
 flux, wan, qwen, lumina, kernel, dynamic_args = (neo.flux, neo.wan, neo.qwen, neo.lumina,
                                                  neo.kernel, neo.dynamic_args)
@@ -410,3 +412,44 @@ def test_the_summary_line_says_what_the_schedule_and_reuse_run(capsys):
     assert "ToMe: DiT (forge neo flux) first pass x8 in all blocks; residual reuse every 5 " \
            "steps; 4/4 blocks pooled" in out, out
     assert "first pass downsample x2" not in out
+
+
+def _refreshes(webui, steps, paced=False, **fields):
+    """(full, pooled) attention calls per pass of one x8 generation with reuse 5."""
+    kernel.calls.clear()
+    latent(webui, dit(schedule="all:8", reuse=5, paced=paced), steps=steps, cfg_scale=1,
+           **fields)
+    out = {}
+    for side in (8, 16):  # the first pass's 8x8 image tokens, a x2 hires pass's 16x16
+        n = neo.TEXT_TOKENS + side * side
+        out[side] = (sum(c == (n, n) for c in kernel.calls),
+                     sum(c == (n, neo.TEXT_TOKENS + side * side // 64) for c in kernel.calls))
+    return out
+
+
+def test_paced_reuse_follows_each_passs_steps():
+    """Neo hands no model call the sampler's sigmas (no ``sample_sigmas``), so the WebUI
+    tells each pass its step count: ``paced`` reuse 5 refreshes every 3 steps at 8 steps
+    (0, 3, 6: 3 of 8 steps also attend over every key) and every 2 in a 4-step hires pass
+    (0, 2); unpaced at 0 and 5. In the real Neo 2.26 ``quality`` gave the unpaced pixels
+    before (paced did nothing there)."""
+    webui = WebUI(neo.NeoModel("flux"))
+    full, pooled = _refreshes(webui, 8, paced=True)[8]
+    assert full and 3 * pooled == 8 * full
+    full, pooled = _refreshes(webui, 8)[8]
+    assert full and pooled == 4 * full
+    hires = _refreshes(webui, 8, paced=True, enable_hr=True, hr_scale=2.0,
+                       hr_second_pass_steps=4)
+    assert 3 * hires[8][1] == 8 * hires[8][0]
+    full, pooled = hires[16]
+    assert full and pooled == 2 * full
+
+
+@pytest.mark.parametrize("name, fix, expected", [
+    ("first", False, 20), ("hires", False, 6), ("img2img", False, 9), ("img2img", True, 20)])
+def test_the_steps_each_pass_samples(monkeypatch, name, fix, expected):
+    """The WebUI's rule (``setup_img2img_steps``): txt2img samples ``steps``, the hires pass
+    its own steps, img2img int(20 x 0.4) + 1 = 9 unless ``img2img_fix_steps`` is on."""
+    monkeypatch.setitem(host.opts().data, "img2img_fix_steps", fix)
+    p = SimpleNamespace(steps=20, hr_second_pass_steps=6, denoising_strength=0.4)
+    assert host.sampled_steps(p, name) == expected

@@ -87,6 +87,24 @@ def seed_of(p: Any) -> int:
     return int(getattr(p, "seed", 0) or 0)
 
 
+def sampled_steps(p: Any, name: str) -> int | None:
+    """The steps the sampler runs in pass ``name`` (``first``, ``hires``, ``img2img``), by the
+    WebUI's rule (``setup_img2img_steps``, which the Forge family keeps): txt2img's
+    ``steps``; the hires pass's own steps, else ``steps``; img2img's ``steps`` times the
+    denoising strength, plus one, unless the ``img2img_fix_steps`` option is on. The
+    sampler tells no model call its step count (Forge Neo 2.26 hands no ``sample_sigmas``),
+    so this paces residual reuse (``ToMeConfig.paced``). None where ``p`` has no steps."""
+    try:
+        steps = int(p.steps)
+        if name == "hires":
+            return int(getattr(p, "hr_second_pass_steps", 0) or steps)
+        if name != "img2img" or getattr(opts(), "img2img_fix_steps", False):
+            return steps
+        return int(min(float(p.denoising_strength), 0.999) * steps) + 1
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def latent_size(p: Any, name: str, x: Any = None) -> tuple[int, int]:
     """(height, width) of the latent a pass samples: ``x``'s when given, else from ``p``."""
     shape = getattr(x, "shape", None)

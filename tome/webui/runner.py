@@ -125,6 +125,9 @@ def before_sampling(p: Any, x: Any = None) -> None:
         _unpatch(model)
         return
     _patch(p, model, gen, cfg.replace(seed=host.seed_of(p)), name, x)
+    patch = host.patch_of(model) if model in _patched else None
+    if patch is not None:  # a pass's start: nothing kept, reuse paced to the pass's steps
+        patch.reset(host.sampled_steps(p, name))
 
 
 def after_batch(p: Any) -> None:
