@@ -170,6 +170,22 @@ def test_the_auto_policy_times_the_refresh_period_a_cache_leaves(lines, monkeypa
     assert skipped and periods == [3, round(3 * (12 - len(skipped)) / 12, 1)]
 
 
+def test_the_easycache_stand_in_computes_a_call_it_cannot_answer_whole():
+    """As v0.30's EasyCache (``can_apply_cache_diff``, read against the real node, issue 49):
+    a step marked skipped is answered from the kept changes only where every condition of the
+    call has one; a call with a condition not seen yet is computed."""
+    h = nodes_easycache.Holder("EasyCache", 1.0, 0.15, 0.95)
+    h.start_sigma, h.end_sigma, h.first, h.skip_now = 10.0, 0.0, "a", True
+    h.diffs = {"a": torch.ones(1, 2, 2, 2)}
+    x, ran = torch.zeros(2, 2, 2, 2), []
+    options = {"sigmas": torch.tensor([1.0]), "uuids": ["a", "b"], "easycache": h}
+    out = nodes_easycache.easycache_forward(lambda x, o: ran.append(1) or x + 5, x, options)
+    assert ran and torch.equal(out, x + 5)
+    options["uuids"] = ["a"]
+    # a call of "a" alone is answered from the change just kept (nothing computed)
+    assert torch.equal(nodes_easycache.easycache_forward(None, x[:1], options), x[:1] + 5)
+
+
 def test_reuse_keys_its_steps_on_the_sampler_schedule(lines, monkeypatch):
     """The same settings without a cache refresh at steps 0, 3, 6, 9 of 12 (the sampler's
     own step numbers, read from ``sample_sigmas``)."""

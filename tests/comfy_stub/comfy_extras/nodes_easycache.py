@@ -7,8 +7,11 @@ and answers them with the last computed change (``output - input``) added to the
   wrapper around it still runs, but the model's blocks, and so the attention, do not), a
   ``calc_cond_batch`` wrapper (each step starts unskipped) and an ``outer_sample`` wrapper
   (a fresh holder per sampling in a copy of the guider's options; one log line at the end,
-  "EasyCache - skipped N/M steps"). The first condition's call of a step decides; the other
-  conditions of that step follow it. State: ``transformer_options["easycache"]``.
+  "EasyCache - skipped N/M steps (Sx speedup)."). The first condition's call of a step
+  decides; the other conditions of that step follow it. State: ``transformer_options["easycache"]``.
+  A call is skipped only where each of its conditions has a kept change (else it is
+  computed and the sum restarts), as v0.30's ``can_apply_cache_diff``. The real v0.30 nodes
+  stacked with ours (docs/comfyui.md, issue 49) skip and log as this stand-in does.
 - ``LazyCache``: a ``predict_noise`` wrapper: a skipped step never reaches ``apply_model``.
 
 The decision: from ``start_percent`` (a sigma, ``model_sampling.percent_to_sigma``) until
@@ -51,12 +54,14 @@ class Holder:
         """Whether this sigma is one the cache may skip (from start until end)."""
         return self.end_sigma < sigma <= self.start_sigma
 
-    def decide(self, x):
-        """Whether to skip this call (the first condition's); the input change."""
+    def decide(self, x, can=True):
+        """Whether to skip this call (the first condition's); the input change. ``can``:
+        every condition of the call has a kept change (EasyCache computes a call it cannot
+        answer whole, and restarts the sum)."""
         change = None if self.x_prev is None else float((self.sub(x) - self.x_prev).abs().mean())
         if change is not None and self.rate is not None and self.norm:
             self.total += self.rate * change / self.norm
-            if self.total < self.threshold:
+            if self.total < self.threshold and can:
                 return True, change
             self.total = 0.0
         return False, change
@@ -85,10 +90,11 @@ def easycache_forward(executor, *args, **kwargs):
     if h.first is None:
         h.first = uuids[0]
     decides, change = h.first in uuids, None
-    if h.skip_now:
+    can = all(u in h.diffs for u in uuids)
+    if h.skip_now and can:
         return _cached(h, x, uuids)
     if decides:
-        skip, change = h.decide(x)
+        skip, change = h.decide(x, can)
         if skip:
             h.skip_now = True
             h.skipped.append(sigma)
@@ -139,7 +145,8 @@ def sample_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     finally:
         steps = len(args[3]) - 1
-        logging.info(f"{h.name} - skipped {len(h.skipped)}/{steps} steps")
+        speedup = steps / max(steps - len(h.skipped), 1)
+        logging.info(f"{h.name} - skipped {len(h.skipped)}/{steps} steps ({speedup:.2f}x speedup).")
         guider.model_options = before
 
 
