@@ -229,8 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="these configurations (comma-separated)")
     ap.add_argument("--calibration-seeds", default="100,101,102,103",
                     help="MagCache's calibration samplings (not the measured seeds)")
+    ap.add_argument("--combine", default=None,
+                    help="runs from these video_frontier.json files (comma-separated) into one "
+                         "table and plot in --out, nothing sampled")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.combine:
+        runs = [r for f in args.combine.split(",")
+                for r in json.loads(Path(f).read_text())["runs"]]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "video_frontier.md").write_text(table(runs) + "\n")
+        plot(runs, out / "video_frontier.png")
+        print(table(runs))
+        return 0
     from diffusers.utils import logging as diffusers_logging
     diffusers_logging.set_verbosity_error()
     out = Path(args.out)
