@@ -41,7 +41,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                                                                "temporal": 2},
     "reuse refresh": {"downsample_factor": 2, "temporal": 2, "reuse": 5},
     "ceiling": None}
-REMOVED = {"x2": 3 / 4, "x2 2x2x2": 7 / 8, "ceiling": 1.0}
+REMOVED = {"x2": 3 / 4, "x2 2x2x2": 7 / 8, "ceiling": 1.0}  # 2x2x2: at an even frame count
 
 
 class SelfAttentionClock:
@@ -151,6 +151,9 @@ def run_size(model, size: Size, rounds: int, say, names: list[str] | None = None
 
     none = med("none")
     share = med("none", "self_s") / none
+    frames, h, w = size.grid()  # an odd frame count leaves its last frame alone
+    removed = dict(REMOVED, **{"x2 2x2x2": 1 - -(-frames // 2) * -(-h // 2) * -(-w // 2)
+                               / size.tokens})
     rows = {}
     for name in got:
         rows[name] = {"block_s": med(name) - head, "forward_s": med(name),
@@ -159,10 +162,10 @@ def run_size(model, size: Size, rounds: int, say, names: list[str] | None = None
         mean5 = (med("reuse refresh") + 4 * med("reuse reused")) / 5
         rows["reuse 5 (mean step)"] = {"forward_s": mean5, "block_s": mean5 - head,
                                        "speedup": none / mean5,
-                                       "amdahl": 1 / (1 - share * REMOVED["x2 2x2x2"])}
-    for name, removed in REMOVED.items():
+                                       "amdahl": 1 / (1 - share * removed["x2 2x2x2"])}
+    for name, part in removed.items():
         if name in rows:
-            rows[name]["amdahl"] = 1 / (1 - share * removed)
+            rows[name]["amdahl"] = 1 / (1 - share * part)
     return {"size": size.label, "tokens": size.tokens, "head_s": head, "rounds": rounds,
             "self_attention_share": share, "rows": rows}
 
