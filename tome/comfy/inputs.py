@@ -28,7 +28,7 @@ CUSTOM = "custom"
 # one preset cannot be both); which one is resolved when the node runs and said on the console.
 # On a video DiT, quality's reuse with x2 cells over 2 frames (``PER_KIND_CHANGES``; 7 of 8
 # keys removed, where quality's x8 leaves a tiny model's 8x8-token frames one key): on the
-# tiny video DiT 34.7 dB at 20 steps against quality's 27.7 dB at the same CPU speed
+# tiny video DiT 34.7 dB at 20 steps against quality's 27.7 dB, 1.19x against 1.30x (CPU)
 # (docs/quality.md#the-video-frontier).
 RECOMMENDED = "recommended"
 PER_KIND = {"unet": "balanced", "dit": "quality", "video": "quality"}
