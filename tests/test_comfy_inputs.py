@@ -101,6 +101,27 @@ def test_a_fresh_node_pools_a_dit_with_the_quality_preset(lines, applied):
     assert without_reuse(applied[0]).reuse == 0
 
 
+def test_a_fresh_node_pools_a_video_dit_with_quality_in_cells_of_two_frames(lines, applied):
+    # issue 50: on a video DiT recommended is quality's reuse at x2 in cells of 2 frames (the
+    # video frontier); an image DiT keeps quality as it was, a named preset stays as it is
+    from comfy.ldm.wan.model import WanModel
+    torch.manual_seed(0)
+    wan = ModelPatcher(BaseModel(WanModel().eval(), ModelSamplingFlux(shift=8.0)))
+    assert (nodes.model_kind(wan), nodes.model_kind(flux()), nodes.model_kind(unet())) == \
+        ("video", "dit", "unet")
+    nodes.ToMePatch().patch(wan, **fresh())
+    nodes.ToMePatch().patch(wan, **fresh(preset="quality"))
+    got = applied[0]
+    assert (got.schedule, got.temporal, got.reuse, got.paced, got.rope, got.method) == \
+        ("all:2", 2, 5, True, "before", "downsample")
+    assert applied[1] == preset("quality") and applied[1].temporal == 1
+    assert lines[0].startswith("ToMe: preset recommended is quality with schedule all:2, "
+                               "temporal 2 on this video DiT")
+    # an input set on the node applies over it; custom is the inputs as set
+    assert inputs.config(fresh(temporal=4), "video").temporal == 4
+    assert inputs.config(fresh(preset="custom"), "video").temporal == 1
+
+
 def test_presets_at_their_defaults_and_custom_are_as_before(applied):
     # a saved graph left at the defaults under a preset (every example, every node only given
     # a preset) runs the preset, as before; custom runs the inputs as set

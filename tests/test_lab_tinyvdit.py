@@ -78,3 +78,32 @@ def test_video_quality_rows_on_the_tiny_video_dit():
     assert [r["setting"] for r in rows] == ["x2 2x2x2"]
     assert 0 < rows[0]["psnr"] < float("inf") and len(rows[0]["ssim_per_frame"]) == 9
     assert "| 1 | 2 | x2 2x2x2 |" in video_quality.trained_table(rows)
+
+
+def test_the_similarity_gate_merges_a_pair_only_where_its_keys_are_close():
+    """The lab's gate on a 3-frame 2x4 grid (pairs: frames 0-1, frame 2 alone): frame 1's
+    keys equal frame 0's in the left cell and are their negatives in the right one, so at
+    threshold 0.5 the left pair becomes one key (their mean, log 8) and the right stays two
+    (log 4 each); below -1 every pair merges, above 1 none."""
+    import math
+
+    from tome_lab.similarity_gate import Gate
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 3, 2, 4, 5, generator=g)  # [B, H, F, h, w, D]
+    k[:, :, 1, :, :2] = k[:, :, 0, :, :2]
+    k[:, :, 1, :, 2:] = -k[:, :, 0, :, 2:]
+    v = torch.randn(k.shape, generator=g)
+    flat = k.flatten(2, 4), v.flatten(2, 4)
+    cell = k.reshape(1, 2, 3, 1, 2, 2, 2, 5).mean((4, 6)).reshape(1, 2, 3, 2, 5)  # 2x2
+    keys, _, mask = Gate(0.5, 3, 2, 4).pool(*flat)
+    # slots: [first of the pair (2 cells), second of the pair (2 cells), frame 2 (2 cells)]
+    torch.testing.assert_close(keys[:, :, 0], cell[:, :, 0, 0])  # merged: the mean, = frame 0
+    torch.testing.assert_close(keys[:, :, 1], cell[:, :, 0, 1])  # kept: frame 0's
+    torch.testing.assert_close(keys[:, :, 3], cell[:, :, 1, 1])  # and frame 1's
+    torch.testing.assert_close(keys[:, :, 4:], cell[:, :, 2])
+    l4, l8 = math.log(4), math.log(8)
+    assert mask.flatten().tolist() == pytest.approx([l8, l4, -math.inf, l4, l4, l4])
+    for threshold, merged in ((-2.0, 2), (2.0, 0)):
+        gate = Gate(threshold, 3, 2, 4)
+        gate.pool(*flat)
+        assert (gate.merged, gate.pairs) == (merged, 2)

@@ -63,7 +63,8 @@ TRAINED: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("preset quality", {"config": tome.preset("quality", policy="fixed")}),
     ("preset fast", {"config": tome.preset("fast", policy="fixed")}),
     # diffusers' own step caches (``transformer.enable_cache``), alone and under x4 pooling;
-    # MagCache needs magnitude ratios calibrated per model and scheduler: not run
+    # MagCache needs magnitude ratios calibrated per model and scheduler: video_frontier
+    # calibrates them and runs it
     ("FirstBlockCache 0.1", {"cache": ("FirstBlockCacheConfig", {"threshold": 0.1})}),
     ("FirstBlockCache 0.3", {"cache": ("FirstBlockCacheConfig", {"threshold": 0.3})}),
     # TaylorSeer's default module patterns (``^blocks.*attn``, full match) miss Wan's attn1

@@ -226,12 +226,22 @@ class ToMePatch:
         return (apply(model, config),)
 
 
+#: ComfyUI's video DiT families (``recommended`` pools pairs of frames on them; HunyuanImage
+#: and Cosmos's image models share a family: on one frame ``temporal`` changes nothing).
+VIDEO_FAMILIES = frozenset({"comfy wan", "comfy hunyuan-video", "comfy ltx-video", "comfy mochi",
+                            "comfy cogvideox", "comfy kandinsky 5", "comfy cosmos"})
+
+
 def model_kind(model: Any) -> str:
-    """``"dit"`` or ``"unet"`` (also for a model the library cannot read: ``apply`` says so)."""
+    """``"video"`` (a video DiT family), ``"dit"`` or ``"unet"`` (also for a model the library
+    cannot read: ``apply`` says so)."""
     try:
-        return "dit" if read(getattr(model, "model", None)).dit is not None else "unet"
+        lay = read(getattr(model, "model", None))
     except UnsupportedModelError:
         return "unet"
+    if lay.dit is None:
+        return "unet"
+    return "video" if lay.family in VIDEO_FAMILIES else "dit"
 
 
 class ToMeMeasure:
