@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, policy
+from .. import adapters, dits, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
@@ -226,12 +226,6 @@ class ToMePatch:
         return (apply(model, config),)
 
 
-#: ComfyUI's video DiT families (``recommended`` pools pairs of frames on them; HunyuanImage
-#: and Cosmos's image models share a family: on one frame ``temporal`` changes nothing).
-VIDEO_FAMILIES = frozenset({"comfy wan", "comfy hunyuan-video", "comfy ltx-video", "comfy mochi",
-                            "comfy cogvideox", "comfy kandinsky 5", "comfy cosmos"})
-
-
 def model_kind(model: Any) -> str:
     """``"video"`` (a video DiT family), ``"dit"`` or ``"unet"`` (also for a model the library
     cannot read: ``apply`` says so)."""
@@ -241,7 +235,7 @@ def model_kind(model: Any) -> str:
         return "unet"
     if lay.dit is None:
         return "unet"
-    return "video" if lay.family in VIDEO_FAMILIES else "dit"
+    return "video" if dits.of(lay).video else "dit"
 
 
 class ToMeMeasure:

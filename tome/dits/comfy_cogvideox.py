@@ -31,4 +31,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
 
 
 FAMILY = Family("comfy cogvideox", comfy_class("CogVideoXTransformer3DModel"), read,
-                host=HostPoint(COMFYUI, spans))
+                host=HostPoint(COMFYUI, spans),
+                video=True)

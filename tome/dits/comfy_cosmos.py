@@ -46,4 +46,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, 0, frames, h, w, 0, cross)
 
 
-FAMILY = Family("comfy cosmos", comfy_class(*CLASSES), read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy cosmos", comfy_class(*CLASSES), read, host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -74,4 +74,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (text, text_first(model), before, frames, h, w, 0)
 
 
-FAMILY = Family("comfy hunyuan-video", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy hunyuan-video", recognise, read, host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -40,4 +40,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
 
 
 FAMILY = Family("comfy kandinsky 5", comfy_class("Kandinsky5"), read,
-                host=HostPoint(COMFYUI, spans))
+                host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -52,4 +52,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, 0, frames, h, w, after, cross)
 
 
-FAMILY = Family("comfy ltx-video", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy ltx-video", recognise, read, host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -36,4 +36,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (text, False, 0, int(x.shape[2]), int(x.shape[3]) // p, int(x.shape[4]) // p, 0)
 
 
-FAMILY = Family("comfy mochi", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy mochi", recognise, read, host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -60,4 +60,5 @@ def spans(model: nn.Module, x: torch.Tensor, context: Any, conds: dict) -> tuple
     return (0, True, before, frames, h, w, after, keys)
 
 
-FAMILY = Family("comfy wan", recognise, read, host=HostPoint(COMFYUI, spans))
+FAMILY = Family("comfy wan", recognise, read, host=HostPoint(COMFYUI, spans),
+                video=True)

@@ -215,6 +215,9 @@ class Family:
     attention: Callable[[nn.Module], nn.Module | None] | None = None
     # A host's own patch point: a family of ComfyUI's or Forge Neo's models (``HostPoint``).
     host: HostPoint | None = None
+    # Its latents are videos (frames x h x w): ``recommended`` pools pairs of frames there
+    # (ComfyUI's node); an image model sharing the family (one frame) is unchanged by it.
+    video: bool = False
 
 
 # ----------------------------------------------------------------------------- helpers

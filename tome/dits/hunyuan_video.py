@@ -137,4 +137,4 @@ def inputs(layout: Any, x: torch.Tensor, size: tuple[int, ...]) -> tuple[tuple, 
 
 
 FAMILY = Family("diffusers hunyuan-video", diffusers_class("HunyuanVideoTransformer3DModel"),
-                read, call, dict.fromkeys(PROCESSORS, maths), inputs=inputs)
+                read, call, dict.fromkeys(PROCESSORS, maths), inputs=inputs, video=True)

@@ -125,4 +125,4 @@ def inputs(layout: Any, x: torch.Tensor, size: tuple[int, ...]) -> tuple[tuple, 
 
 
 FAMILY = Family("diffusers wan", diffusers_class("WanTransformer3DModel"), read, call,
-                dict.fromkeys(PROCESSORS, maths), attentions, inputs=inputs)
+                dict.fromkeys(PROCESSORS, maths), attentions, inputs=inputs, video=True)
