@@ -233,8 +233,8 @@ LARGER = [(2 * h, 2 * w) for h, w in RESOLUTIONS]
 
 
 def test_comfy_torch_compile_model_with_reuse_stays_compiled_across_eight_resolutions():
-    """TorchCompileModel after the node with the quality preset (fixed policy; 6 steps, so the
-    reuse paced to every 3 steps refreshes at steps 0 and 3 and replays between): eight
+    """TorchCompileModel after the node with the quality preset (fixed policy; 4 steps, so the
+    reuse paced to every 2 steps refreshes at steps 0 and 2 and replays at 1 and 3): eight
     resolutions in one process, never past dynamo's recompile limit (made an error here),
     with the graphs of pooling without reuse (two, none after the second resolution), each
     sampling the eager latent. Before: a third graph where the kept residual's size first
@@ -242,5 +242,5 @@ def test_comfy_torch_compile_model_with_reuse_stays_compiled_across_eight_resolu
     marked dynamic, ``merge.sized_by_graph``); earlier still, reuse's states were guards
     (about three graphs per resolution; a refreshing call now runs eager, ``reuse._Eager``)."""
     from comfy_node import defaults
-    graphs = _comfy(defaults(preset="quality", policy="fixed"), LARGER, steps=6)
+    graphs = _comfy(defaults(preset="quality", policy="fixed"), LARGER)
     assert sum(graphs) <= 2 and sum(graphs[2:]) == 0, graphs
