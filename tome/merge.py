@@ -25,6 +25,7 @@ cells around its own, which is ``9`` dot products per source instead of ``N / (s
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,16 @@ def compiling() -> bool:
     if fn is None:
         fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
     return bool(fn()) if fn is not None else False
+
+
+def sized_by_graph(t: Any, *dims: int) -> Any:
+    """``t`` (a tensor kept for a later call, e.g. a residual) with ``dims`` marked dynamic for
+    dynamo where it is loaded: otherwise its sizes stay static until they change, and a graph
+    that reads it ties the call's symbolic sizes to them (a graph per size)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if t is not None and hasattr(dynamo, "maybe_mark_dynamic"):
+        dynamo.maybe_mark_dynamic(t, list(dims))
+    return t
 
 
 def _hash32(z: torch.Tensor | int) -> torch.Tensor | int:

@@ -437,6 +437,7 @@ class Reuse:
         if self.extrapolate and self.keep.slope:
             slope = torch.zeros_like(r) if kept is None else \
                 (r - kept[0].to(r.dtype)) / (lane.now - kept[2]).clamp(min=1)
-        dt = self.keep.dtype
-        cur[factor] = (kept_as(r, dt), None if slope is None else kept_as(slope, dt), lane.now)
+        dt, sized = self.keep.dtype, lambda t: merge.sized_by_graph(t, 0, dim)  # rows, sequence
+        cur[factor] = (sized(kept_as(r, dt)), sized(None if slope is None else kept_as(slope, dt)),
+                       lane.now)
         return f
