@@ -78,9 +78,10 @@ def compiling() -> bool:
 def sized_by_graph(t: Any, *dims: int) -> Any:
     """``t`` (a tensor kept for a later call, e.g. a residual) with ``dims`` marked dynamic for
     dynamo where it is loaded: otherwise its sizes stay static until they change, and a graph
-    that reads it ties the call's symbolic sizes to them (a graph per size)."""
+    that reads it ties the call's symbolic sizes to them (a graph per size). Eager only: a
+    graph being traced (a model compiled whole) may not call dynamo's marking."""
     dynamo = sys.modules.get("torch._dynamo")
-    if t is not None and hasattr(dynamo, "maybe_mark_dynamic"):
+    if t is not None and hasattr(dynamo, "maybe_mark_dynamic") and not compiling():
         dynamo.maybe_mark_dynamic(t, list(dims))
     return t
 
