@@ -44,8 +44,11 @@ MAG_RATIOS = (1.0, 1.245, 0.981, 1.035, 0.956, 0.970, 0.947, 0.953, 0.949, 0.940
 RUNS = {"20g1": (20, 1.0), "20g3": (20, 3.0), "8g1": (8, 1.0), "8g3": (8, 3.0)}
 
 
-def cache_config(name: str, steps: int) -> Any:
-    """The diffusers cache config a name stands for (``FBC 0.3``, ``Mag 0.5``, ``TS 5``)."""
+def cache_config(name: str, steps: int, ratios: list[float] | None = None,
+                 identifiers: list[str] | None = None, warmup: int = 3) -> Any:
+    """The diffusers cache config a name stands for (``FBC 0.3``, ``Mag 0.5``, ``TS 5``):
+    MagCache with ``ratios`` (default: the tiny DiT's, ``MAG_RATIOS``), TaylorSeer on the
+    modules ``identifiers`` names (default: diffusers' own) after ``warmup`` steps."""
     import diffusers
     kind, value = name.split()
     if kind == "FBC":
@@ -53,11 +56,12 @@ def cache_config(name: str, steps: int) -> Any:
     if kind == "Mag":
         return diffusers.MagCacheConfig(threshold=float(value), max_skip_steps=3,
                                         retention_ratio=0.2, num_inference_steps=steps,
-                                        mag_ratios=list(MAG_RATIOS))
+                                        mag_ratios=list(MAG_RATIOS if ratios is None else ratios))
     if kind == "TS":
         return diffusers.TaylorSeerCacheConfig(cache_interval=int(value), max_order=1,
-                                               disable_cache_before_step=3,
-                                               taylor_factors_dtype=torch.float32)
+                                               disable_cache_before_step=warmup,
+                                               taylor_factors_dtype=torch.float32,
+                                               cache_identifiers=identifiers)
     raise ValueError(name)
 
 

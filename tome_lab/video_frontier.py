@@ -34,7 +34,7 @@ import torch
 
 import tome
 
-from . import tinyvdit
+from . import stack_frontier, tinyvdit
 from .device import machine
 from .video_quality import compare_videos
 
@@ -63,21 +63,9 @@ WAN_ATTENTION = [r"^blocks\.\d+\.attn\d$"]  # TaylorSeer's modules on Wan (attn1
 
 
 def cache_config(name: str, steps: int, ratios: list[float] | None = None) -> Any:
-    """The diffusers cache config a name stands for (``FBC 0.3``, ``Mag 0.3``, ``TS 3``)."""
-    import diffusers
-    kind, value = name.split()
-    if kind == "FBC":
-        return diffusers.FirstBlockCacheConfig(threshold=float(value))
-    if kind == "Mag":
-        return diffusers.MagCacheConfig(threshold=float(value), max_skip_steps=3,
-                                        retention_ratio=0.2, num_inference_steps=steps,
-                                        mag_ratios=list(ratios))
-    if kind == "TS":
-        return diffusers.TaylorSeerCacheConfig(cache_interval=int(value), max_order=1,
-                                               disable_cache_before_step=min(3, steps // 3),
-                                               taylor_factors_dtype=torch.float32,
-                                               cache_identifiers=WAN_ATTENTION)
-    raise ValueError(name)
+    """The diffusers cache config a name stands for, on Wan: MagCache with the model's
+    calibrated ``ratios``, TaylorSeer on Wan's attention modules after at most 3 steps."""
+    return stack_frontier.cache_config(name, steps, ratios, WAN_ATTENTION, min(3, steps // 3))
 
 
 def configurations(steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
