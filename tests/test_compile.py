@@ -166,7 +166,7 @@ def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, ord
                 tome.apply_patch(pipe, config=config)
         assert tome.is_patched(pipe)
         compiled = []
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=limit_error):
             for s in PIPE_SIZES:
                 before = counter.frame_count
                 compiled.append(generate(s))
@@ -189,9 +189,14 @@ STUB = str(Path(__file__).resolve().parent / "comfy_stub")
 RESOLUTIONS = [(16, 24), (24, 16), (16, 16), (24, 24), (32, 16), (16, 32), (32, 32), (40, 24)]
 
 
-def _comfy(config, latents, steps=4):
+def _comfy(config, latents, steps=4, backend=None, guard_filter=True, limit_error=True,
+           **model):
     """Graphs per resolution through TorchCompileModel's wrapper after the ToMe node, and the
-    latents; dynamo's recompile limit made an error, so a silent fallback to eager fails."""
+    latents; dynamo's recompile limit made an error, so a silent fallback to eager fails.
+    ``backend``: a real one (e.g. inductor) instead of dynamo's counting one (graphs then not counted); ``guard_filter``: the node's filter that drops
+    every guard on ``transformer_options`` (off: a plain ``torch.compile``); ``limit_error``
+    False: dynamo's recompile limit as in a host (the function runs eager past it);
+    ``model``: the stand-in Flux's sizes (``depth``, ``depth_single_blocks``)."""
     if STUB not in sys.path:
         sys.path.insert(0, STUB)
     from comfy_api.torch_helpers import set_torch_compile_wrapper, skip_torch_compile_dict
@@ -200,13 +205,14 @@ def _comfy(config, latents, steps=4):
     from tome.comfy import nodes
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
-    base = dit_model()
+    base = dit_model(**model)
     eager = nodes.ToMePatch().patch(base, **config)[0]
     model = nodes.ToMePatch().patch(base, **config)[0].clone()
-    set_torch_compile_wrapper(model, counter, options={"guard_filter_fn": skip_torch_compile_dict})
+    options = {"guard_filter_fn": skip_torch_compile_dict} if guard_filter else None
+    set_torch_compile_wrapper(model, backend or counter, options=options)
     graphs = []
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=limit_error):
             for h, w in latents:
                 before = counter.frame_count
                 got = sample(model, steps=steps, latent=(1, 4, h, w))
@@ -244,3 +250,74 @@ def test_comfy_torch_compile_model_with_reuse_stays_compiled_across_eight_resolu
     from comfy_node import defaults
     graphs = _comfy(defaults(preset="quality", policy="fixed"), LARGER)
     assert sum(graphs) <= 2 and sum(graphs[2:]) == 0, graphs
+
+
+def test_comfy_inductor_compiles_a_ragged_grid_after_tiled_ones_to_the_eager_latent(
+        monkeypatch, tmp_path):
+    """Inductor (its on-disk cache a fresh folder), the quality preset (x8, reuse): token grids 8x8,
+    8x16 (sizes dynamic from here), then 8x12, whose right cells are partial, in one process. Each sampling is the
+    eager latent. A run here once gave 8x12 off by rel. L2 1.6e-2: a stale entry of
+    inductor's on-disk cache (``/tmp/torchinductor_<user>``); from a clean cache, in any
+    order, every grid is right (docs/speed.md#compiled)."""
+    from comfy_node import defaults
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    _comfy(defaults(preset="quality", policy="fixed"), [(16, 16), (16, 32), (16, 24)],
+           backend="inductor")
+
+
+def _attention_breaks_the_graph(monkeypatch):
+    """The stand-in Flux's attention with a graph break inside, as ComfyUI's CPU attention
+    has (sub-quadratic attention reads the free memory: ``open`` of /proc/meminfo): dynamo
+    then compiles each block's frames on their own, and a block's frame reads the block's
+    index from ``transformer_options`` as an input."""
+    if STUB not in sys.path:
+        sys.path.insert(0, STUB)
+    import comfy.ldm.flux.math
+    from comfy.ldm.modules import attention as comfy_attention
+    inner = comfy_attention.attention_pytorch.__wrapped__
+
+    def broken(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention",
+                        comfy_attention.wrap_attn(broken))
+
+
+@pytest.mark.parametrize("guard_filter,reuse", [(False, 5), (True, 0)],
+                         ids=["no-guard-filter", "no-reuse"])
+def test_comfy_compiled_blocks_split_by_a_graph_break_pool_as_eager(monkeypatch, guard_filter,
+                                                                     reuse):
+    """A graph break inside attention: without TorchCompileModel's guard filter (reuse on),
+    or with it where no block differs from another (x8 everywhere, no reuse), the compiled
+    latent is the eager one."""
+    from comfy_node import defaults
+    _attention_breaks_the_graph(monkeypatch)
+    config = defaults(preset="quality", policy="fixed") if reuse else defaults(
+        preset="custom", method="downsample", schedule="all:8", rope="before", policy="fixed")
+    _comfy(config, [(16, 16)], guard_filter=guard_filter)
+
+
+def test_comfy_torch_compile_model_with_reuse_and_a_graph_break_in_attention(monkeypatch):
+    """TorchCompileModel drops every guard on ``transformer_options``; a frame that reads the
+    block's index from them (the attention override, compiled on its own after a graph break
+    in attention) was traced for one block and then run for every block, each adding that
+    block's residual: the latent was off by rel. L2 9.7e-3, with no line. Now such a frame
+    guards on how many blocks the call named before (``CallState.note``): a graph per block
+    there, each the eager latent, at two sizes. Where the attention does not break the graph
+    (the stand-in as it is; PyTorch attention on a GPU) the blocks are traced inside the
+    model's one frame and nothing changes (the eight-resolution tests above)."""
+    from comfy_node import defaults
+    _attention_breaks_the_graph(monkeypatch)
+    graphs = _comfy(defaults(preset="quality", policy="fixed"), [(16, 16), (16, 32)])
+    print("graphs per size", graphs)
+
+
+def test_comfy_blocks_past_the_recompile_limit_split_by_a_graph_break_are_still_right(
+        monkeypatch):
+    """The same with 12 blocks (6 double, 6 single), more than dynamo's recompile limit of 8
+    per function, the limit as ComfyUI leaves it (no error): the frames past it run eager
+    (dynamo's warning), the latent is the eager one."""
+    from comfy_node import defaults
+    _attention_breaks_the_graph(monkeypatch)
+    _comfy(defaults(preset="quality", policy="fixed"), [(16, 16)], limit_error=False, depth=6,
+           depth_single_blocks=6)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import attend, dit
+from . import attend, dit, merge
 
 
 class Spans(NamedTuple):
@@ -65,6 +65,7 @@ class CallState(NamedTuple):
     parts: tuple = ()
     grid: Any = None  # ``dit.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
     temporal: int = 1  # frames per cell (``ToMeConfig.temporal``)
+    seen: list | None = None  # the blocks this call's compiled attention calls named (``note``)
 
     def position(self, block_type: Any, index: Any) -> int | None:
         """The block the host names (``block_type`` "double" or "single", ``block_index``)
@@ -73,6 +74,18 @@ class CallState(NamedTuple):
             return None
         pos = index + (self.doubles if block_type == "single" else 0)
         return pos if 0 <= pos < len(self.factors) else None
+
+    def note(self, block: tuple) -> None:
+        """While compiling, where the call's blocks differ (residuals of their own, or
+        factors), count the named block on ``seen``: a graph then guards on how many came
+        before it. TorchCompileModel drops every guard on ``transformer_options``, so a frame
+        a graph break split off (ComfyUI's CPU attention breaks the graph) would run the
+        graph traced for one block for every block, the block read from them baked in; the
+        count makes it one graph per block there (inside one traced model call it is read
+        once, at 0)."""
+        if self.seen is not None and merge.compiling() and (
+                self.reuse is not None or len(set(self.factors)) > 1):
+            self.seen.append(block)
 
     def factor(self, block_type: Any, index: Any) -> int:
         """The factor of the block the host names; without block information, the factor

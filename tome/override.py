@@ -103,6 +103,7 @@ class KvPool(percall.Flags):
         start = state.start(q.shape[dim], k.shape[dim])
         options = kwargs.get("transformer_options") or {}
         block = (options.get("block_type"), options.get("block_index"))
+        state.note(block)
         f = state.factor(*block)
         if start is None or f <= 1:
             calls.count(self.tally, calls.CROSS if start is None else calls.X1)

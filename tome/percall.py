@@ -94,7 +94,7 @@ def active(owner: Any, state: CallState | None, chained: Any = None) -> Iterator
     """``state`` is the current call's (what ``owner``'s attention calls read) inside, in this
     thread only (ComfyUI's MultiGPU samples clones of one patch in worker threads at once)."""
     before = getattr(_local, "active", None)
-    _local.active = (owner, state, chained)
+    _local.active = (owner, None if state is None else state._replace(seen=[]), chained)
     try:
         yield
     finally:
