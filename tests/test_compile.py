@@ -166,7 +166,7 @@ def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, ord
                 tome.apply_patch(pipe, config=config)
         assert tome.is_patched(pipe)
         compiled = []
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=limit_error):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             for s in PIPE_SIZES:
                 before = counter.frame_count
                 compiled.append(generate(s))
