@@ -193,10 +193,11 @@ def _comfy(config, latents, steps=4, backend=None, guard_filter=True, limit_erro
            **model):
     """Graphs per resolution through TorchCompileModel's wrapper after the ToMe node, and the
     latents; dynamo's recompile limit made an error, so a silent fallback to eager fails.
-    ``backend``: a real one (e.g. inductor) instead of dynamo's counting one (graphs then not counted); ``guard_filter``: the node's filter that drops
-    every guard on ``transformer_options`` (off: a plain ``torch.compile``); ``limit_error``
-    False: dynamo's recompile limit as in a host (the function runs eager past it);
-    ``model``: the stand-in Flux's sizes (``depth``, ``depth_single_blocks``)."""
+    ``backend``: a real one (e.g. inductor) instead of dynamo's counting one (graphs then not
+    counted); ``guard_filter``: the node's filter that drops every guard on
+    ``transformer_options`` (off: a plain ``torch.compile``); ``limit_error`` False: dynamo's
+    recompile limit as in a host (the function runs eager past it); ``model``: the stand-in
+    Flux's sizes (``depth``, ``depth_single_blocks``)."""
     if STUB not in sys.path:
         sys.path.insert(0, STUB)
     from comfy_api.torch_helpers import set_torch_compile_wrapper, skip_torch_compile_dict
@@ -254,11 +255,11 @@ def test_comfy_torch_compile_model_with_reuse_stays_compiled_across_eight_resolu
 
 def test_comfy_inductor_compiles_a_ragged_grid_after_tiled_ones_to_the_eager_latent(
         monkeypatch, tmp_path):
-    """Inductor (its on-disk cache a fresh folder), the quality preset (x8, reuse): token grids 8x8,
-    8x16 (sizes dynamic from here), then 8x12, whose right cells are partial, in one process. Each sampling is the
-    eager latent. A run here once gave 8x12 off by rel. L2 1.6e-2: a stale entry of
-    inductor's on-disk cache (``/tmp/torchinductor_<user>``); from a clean cache, in any
-    order, every grid is right (docs/speed.md#compiled)."""
+    """Inductor (its on-disk cache a fresh folder), the quality preset (x8, reuse): token grids
+    8x8, 8x16 (sizes dynamic from here), then 8x12, whose right cells are partial, in one
+    process. Each sampling is the eager latent. A run here once gave 8x12 off by rel. L2
+    1.6e-2: a stale entry of inductor's on-disk cache (``/tmp/torchinductor_<user>``); from
+    a clean cache, in any order, every grid is right (docs/speed.md#compiled)."""
     from comfy_node import defaults
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     _comfy(defaults(preset="quality", policy="fixed"), [(16, 16), (16, 32), (16, 24)],
