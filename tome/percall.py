@@ -94,7 +94,7 @@ def active(owner: Any, state: CallState | None, chained: Any = None) -> Iterator
     """``state`` is the current call's (what ``owner``'s attention calls read) inside, in this
     thread only (ComfyUI's MultiGPU samples clones of one patch in worker threads at once)."""
     before = getattr(_local, "active", None)
-    _local.active = (owner, None if state is None else state._replace(seen=[]), chained)
+    _local.active = (owner, state, chained)
     try:
         yield
     finally:
@@ -250,7 +250,7 @@ class Core(Counts, Planned):
         reuse = got.reuse
         return CallState(spans, got.factors, self.doubles, bool(self.applied.proportional),
                          reuse, reuse.parts() if reuse is not None else (),
-                         dit.grid_tensor(spans.frames, spans.h, spans.w), deep)
+                         dit.grid_tensor(spans.frames, spans.h, spans.w), deep, seen=[])
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,
