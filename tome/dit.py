@@ -324,12 +324,15 @@ class DitPool(methods.Downsample):
         t = call.frames
         plan = call.plans.get((t, h, w))
         if plan is None:
-            c = planner.config
-            plan = call.plans[(t, h, w)] = DitPlan(h, w, c.downsample_factor, c.rope,
-                                                    getattr(c, "proportional", False), t,
-                                                    getattr(c, "temporal", 1))
+            plan = call.plans[(t, h, w)] = plan_of(planner.config, t, h, w)
             planner.record(level, plan.tokens, plan.tokens - plan.pooled)
         return plan
+
+
+def plan_of(config: Any, frames: int, h: int, w: int) -> DitPlan:
+    """The settings' plan for ``frames`` grids of ``h x w`` tokens."""
+    return DitPlan(h, w, config.downsample_factor, config.rope,
+                   getattr(config, "proportional", False), frames, getattr(config, "temporal", 1))
 
 
 # The DiT form rides on the method it belongs to: ``methods.REGISTRY`` stays the only registry.

@@ -32,7 +32,7 @@ from .callplan import CallPlan, Planned
 from .config import ToMeConfig
 from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
-from .wrappers import PoolingProcessor, block_problem, runner, unwrap, wrap
+from .wrappers import PHASES, SWITCHES, PoolingProcessor, block_problem, runner, unwrap, wrap
 
 
 class _State(percall_calls.Counts, percall.Flags, Planned):
@@ -56,6 +56,8 @@ class _State(percall_calls.Counts, percall.Flags, Planned):
         self.handles: list[Any] = []   # hook handles on the transformer
         self.wrapped: list[tuple[nn.Module, str, Any, Any]] = []  # (module, name, before, ours)
         self.plan: dit.DitPlan | None = None
+        self.shadow: dit.DitPlan | None = None  # the grid's plan where this call pools nothing
+        self.switching = False         # a wrapper's block switches plans (``_phases``)
         self.plans: dict[int, dit.DitPlan] = {}  # this call's plan per scheduled factor
         self.call: CallPlan | None = None  # this call's (progress, factors)
         self.text = 0                  # text tokens in this call (single blocks' span start)
@@ -74,9 +76,18 @@ class _State(percall_calls.Counts, percall.Flags, Planned):
     def push(self) -> None:
         """Set each wrapper's plan for this call (``PoolingProcessor.current``) on the host:
         a compiled block then reads its own attribute, and its graph guards on the plan, not
-        on the block's index (one graph for every block, steps and identities alike)."""
+        on the block's index (one graph for every block, steps and identities alike). A
+        block whose plan changes over sampling also gets every variant's plan for this
+        call's grid (``shadow`` outside the window) and which one runs (``switch``)."""
+        base = self.plan if self.plan is not None else self.shadow
         for part in self.parts:
             part.current = None if self.plan is None else self.plan_for(part.index, part.kind)
+            if part.phases:
+                f = 0 if part.current is None else self.call.factors[part.index]
+                known = base is not None and f in part.phases
+                part.variants = tuple(None if v == 0 else self._factored(base, v)
+                                      for v in part.phases) if known else ()
+                part.phase = PHASES[part.phases.index(f) if known else 0]
         if self.joined:  # this thread's slots of residual reuse, on our own wrappers
             slots = self.reuse.parts()
             for part in self.joined:
@@ -88,8 +99,9 @@ class _State(percall_calls.Counts, percall.Flags, Planned):
         if base is None or call is None:
             return None
         f = call.factors[index]
-        if f == 0:
-            return None
+        return None if f == 0 else self._factored(base, f)
+
+    def _factored(self, base: dit.DitPlan, f: int) -> dit.DitPlan:
         if f == base.factor:
             return base
         if f not in self.plans:
@@ -123,7 +135,7 @@ class _Hooks:
         if counted:
             self.placed = True
         x, size, st.text, t = got
-        st.plans, st.call = {}, None
+        st.plans, st.call, st.shadow = {}, None, None
         n = policy.level_tokens(size, d.patch)  # an image's h x w tokens, a video's f x h x w
         # a 0-999 timestep window: the model's timestep in its own units (``timestep_scale``)
         st.call = st.plan_call(size, n, x.device, t, x.shape[0], grid=tuple(size),
@@ -131,6 +143,8 @@ class _Hooks:
         if st.call is not None:
             st.plan = st.planner.plan(st.call.call, x.new_zeros(()).expand(x.shape[0], n, 1))
             parallel.shard(st, x)  # context parallelism: this rank's shard, or refused
+        elif st.switching:
+            st.shadow = _shadow(st.planner.config, size, n, d.patch)
         st.push()
 
     @merge.host_side
@@ -148,6 +162,30 @@ class _Hooks:
             st.count_call(st.flags, self.seen, self.placed, active)
             # what reuse did: refreshed, a refresh a step cache skipped moved here
             st.settled(st.reuse.settle(), st.tally[percall_calls.POOLED] - self.pooled)
+
+
+def _shadow(config: ToMeConfig, size: tuple[int, ...], tokens: int, patch: int
+            ) -> dit.DitPlan | None:
+    """The plan a call outside the window would have had (what a switching block's graph
+    traces its pooled variants with), or None where the grid is not the latent's."""
+    grid = _plan.grid_of(tokens, size, patch)
+    return None if grid is None else dit.plan_of(config, policy.latent_grid(size)[0], *grid[1:])
+
+
+def _phases(state: _State) -> tuple[int, ...]:
+    """The factors the pooled blocks switch between over sampling (``wrappers.switch``), 0
+    (unpooled) where a window or the auto policy leaves them out; empty: one, a torch that
+    cannot switch in a graph, or residual reuse (it writes what it keeps where a call
+    traces a refresh, and nothing may be written inside ``torch.cond``: its variants stay
+    guards). One set for every block: a graph compiled once for all of a model's blocks
+    (``compile_repeated_blocks``) guards on how many variants there are."""
+    if state.config.reuse or not SWITCHES:
+        return ()
+    n = len(state.kinds)
+    found = {f for part in state.parts for f in state.schedule.factors(part.index, part.kind, n)}
+    if state.config.policy != "fixed":
+        found.add(0)
+    return tuple(sorted(found)) if len(found) > 1 else ()
 
 
 # ----------------------------------------------------------------------------- public API
@@ -204,6 +242,10 @@ def apply(model: Any, layout: Layout, config: ToMeConfig, measurer: Any = None) 
             if isinstance(ours, PoolingProcessor):
                 ours.pushed = True
                 state.parts.append(ours)
+        phases = _phases(state)
+        for part in state.parts:
+            part.phases = phases
+        state.switching = bool(phases)
         state.wrapped += brackets.shadow(model, _generation)
         setattr(root, STATE_ATTR, state)
     except BaseException:

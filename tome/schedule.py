@@ -77,6 +77,13 @@ class Schedule:
                     f = fac
         return f
 
+    def factors(self, index: int, kind: str, count: int) -> tuple[int, ...]:
+        """Every factor block ``index`` takes over sampling, 0 (unpooled) included where a
+        window leaves it out: what a compiled block switches between (``wrappers.switch``)."""
+        edges = sorted({0.0, 1.0, *(e for *_, lo, hi in self.items for e in (lo, hi))})
+        points = edges + [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        return tuple(sorted({self.factor(index, kind, count, p) for p in points}))
+
     def describe(self) -> str:
         """``x4 in all blocks, steps 0.3-1; x2 in block 0`` (what a patch resolved to)."""
         def blocks(sel: tuple[str, int, int]) -> str:

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from . import attend as _attend
-from . import dits, parallel, percall_calls
+from . import dits, merge, parallel, percall_calls
 from . import plan as _plan
 from .layout import Layout
 
@@ -50,10 +51,22 @@ class PoolingProcessor:
         # a patch's state sets this call's plan on the wrapper (``_State.push``); other
         # sources (measuring) are asked
         self.pushed, self.current = False, None
+        # a block whose plan changes over sampling: its factors (``Schedule.factors``; set
+        # where the patch is made), this call's plan for each and which one runs (``switch``)
+        self.phases: tuple[int, ...] = ()
+        self.variants: tuple[Any, ...] = ()
+        self.phase = PHASES[0]
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
+        if self.variants and merge.compiling():
+            return switch(self, attn, hidden_states, args, kwargs)
         plan = self.current if self.pushed else self.source.plan_for(self.index, self.kind)
+        return self.run(plan, attn, hidden_states, args, kwargs)
+
+    def run(self, plan: Any, attn: nn.Module, hidden_states: torch.Tensor, args: tuple,
+            kwargs: dict) -> Any:
+        """One call with ``plan`` (None: the original's call, as it came)."""
         if plan is not None and self.maths is not None:
             named = dict(zip(self._names, args), **kwargs)
             ehs = named.pop("encoder_hidden_states", None)
@@ -70,6 +83,49 @@ class PoolingProcessor:
             percall_calls.record(self.source, percall_calls.OUTSIDE if plan is None
                                  else percall_calls.X1)
         return self.original(attn, hidden_states, *args, **kwargs)
+
+
+#: ``PoolingProcessor.phase`` for a call running its block's variant ``i``: an empty tensor
+#: of ``i + 2`` rows (2 and up: dynamo specialises sizes 0 and 1), dynamic from the first
+#: compile, so a graph reads the variant from a size as it reads the model's own sizes.
+PHASES = tuple(torch.empty(i + 2, 0) for i in range(8))
+_dynamic = getattr(getattr(torch, "_dynamo", None), "maybe_mark_dynamic", None)
+for _t in PHASES if _dynamic is not None else ():
+    _dynamic(_t, 0)
+#: Whether this torch switches in a graph (``torch.cond``: torch >= 2.4; the WebUI 1.10's
+#: torch 2.1 guards on the plan, a graph per variant, as before).
+SWITCHES = _dynamic is not None and hasattr(torch, "cond")
+
+
+def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tensor,
+           args: tuple, kwargs: dict) -> Any:
+    """A compiled call of a block whose plan changes over sampling (a step window, a schedule
+    of factors, the auto policy): every variant (``wrapper.variants``: None unpooled, or a
+    plan per factor) traced into one graph, ``torch.cond`` picking this call's by the size
+    of ``wrapper.phase``. Guarding on the plan instead made a graph per variant for each
+    size class of the block (a window's pooled and unpooled steps: dynamo's recompile limit
+    of 8 came at the second image size with ``compile_repeated_blocks(fullgraph=True)``).
+    The branches take the call's tensors as operands (``torch.cond`` lifts nothing that
+    aliases them) and return what the original returns."""
+    leaves, spec = pytree.tree_flatten((hidden_states, args, kwargs))
+    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+
+    def branch(plan: Any) -> Any:
+        def run(*tensors: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for i, t in zip(at, tensors):
+                filled[i] = t
+            h, a, k = pytree.tree_unflatten(filled, spec)
+            return wrapper.run(plan, attn, h, a, k)
+        return run
+
+    variants, n = wrapper.variants, wrapper.phase.shape[0]
+
+    def pick(i: int) -> Any:
+        if i == len(variants) - 1:
+            return branch(variants[i])
+        return lambda *t: torch.cond(n == i + 2, branch(variants[i]), pick(i + 1), t)
+    return pick(0)(*(leaves[i] for i in at))
 
 
 _SIGNED: dict[type, type] = {}
