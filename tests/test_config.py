@@ -165,6 +165,22 @@ def test_a_schedule_has_at_most_max_items():
         ToMeConfig.from_dict({"schedule": longest + ",all:4"})
 
 
+@pytest.mark.parametrize("text, block, want", [
+    ("all:2", 1, (2,)),                              # one factor all along: nothing to switch
+    ("all:2@0.3-1", 1, (0, 2)),                      # unpooled before the window
+    ("all:2@0-1,inner:4@0.6-1", 0, (2,)),            # the first block is not inner
+    ("all:2@0-1,inner:4@0.6-1", 1, (2, 4)),
+    ("all:2@0.3-0.5,all:4@0.5-0.7", 2, (0, 2, 4)),   # a gap after: unpooled again
+    ("single:2", 0, (0,)),                           # block 0 of kind double: never named
+])
+def test_a_schedule_lists_every_factor_a_block_takes_over_sampling(text, block, want):
+    """What a compiled block switches between (``wrappers.switch``): each factor a block gets
+    at some progress, read at every window edge and between edges."""
+    s = dit.Schedule.parse(text)
+    assert s.factors(block, "double", 4) == want
+    assert set(want) == {s.factor(block, "double", 4, p / 100) for p in range(101)}
+
+
 def test_a_schedule_is_parsed_once_not_per_patch_or_call(monkeypatch):
     """A config parses its schedule when it is built; patching and the model's calls reuse
     that parse (a schedule's items are read per block and call, never parsed there)."""
