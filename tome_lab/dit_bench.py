@@ -456,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                          "unpatched vs pooled x2, interleaved, graphs per size (dit_compile)")
     ap.add_argument("--compile-sizes", default="32,48,64,96", help="pixels, for --compile")
     ap.add_argument("--compile-backend", default="inductor", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-schedule", default="",
+                    help="the patched variant's DiT schedule for --compile (default: x2 in "
+                         "every block; e.g. all:2@0.2-1: a window, every variant in one graph)")
     ap.add_argument("--device", choices=DEVICES, default="auto")
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                     help="auto: bf16 where native on a CPU (AMX, AVX512-BF16), fp16 on GPUs")
@@ -469,9 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         device = pick_device(args.device)
+        config = tome.ToMeConfig(method="downsample", downsample_factor=2,
+                                 schedule=args.compile_schedule)
         rows = dit_compile.run([int(v) for v in args.compile_sizes.split(",")],
                                1 if args.quick else args.rounds, args.compile_backend,
-                               device=device, sync=lambda: timing.synchronize(device))
+                               config=config, device=device,
+                               sync=lambda: timing.synchronize(device))
         print(dit_compile.table(rows), flush=True)
         return 0
     images = [Size.parse(v) for v in ("256,512" if args.quick else args.sizes).split(",")]
