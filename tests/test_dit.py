@@ -368,11 +368,14 @@ def test_compiled_blocks_keep_one_graph_across_steps(flux):
     torch._dynamo.reset()
 
 
-def test_a_compiled_sd3_is_one_graph(sd3):
+@pytest.mark.parametrize("schedule", ["", "all:2@0.3-1"], ids=["pooled", "window"])
+def test_a_compiled_sd3_is_one_graph(sd3, schedule):
     """SD3's grid is the latent's shape, so the whole patched transformer compiles as one
-    graph (hooks included) and steps do not recompile."""
+    graph (hooks included) and steps do not recompile; with a step window too (an unpooled
+    step, then a pooled one: ``torch.cond`` picks, ``wrappers.switch``; SD3's processor
+    returns strided slices of one joint output, which cond takes as dense copies)."""
     model = copy.deepcopy(sd3)
-    tome.apply_patch(model, method="downsample")
+    tome.apply_patch(model, method="downsample", schedule=schedule)
     eager = [run(model, sd3_inputs(t=t)) for t in (900.0, 500.0)]
     torch._dynamo.reset()
     fn = torch.compile(model, fullgraph=True, backend="eager")

@@ -97,6 +97,13 @@ for _t in PHASES if _dynamic is not None else ():
 SWITCHES = _dynamic is not None and hasattr(torch, "cond")
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A branch's output as ``torch.cond`` takes it: dense and aliasing nothing (SD3's
+    processor returns the text and image slices of one joint output; cond refuses strided
+    slices, and inductor outputs that alias each other)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tensor,
            args: tuple, kwargs: dict) -> Any:
     """A compiled call of a block whose plan changes over sampling (a step window, a schedule
@@ -105,8 +112,8 @@ def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tens
     of ``wrapper.phase``. Guarding on the plan instead made a graph per variant for each
     size class of the block (a window's pooled and unpooled steps: dynamo's recompile limit
     of 8 came at the second image size with ``compile_repeated_blocks(fullgraph=True)``).
-    The branches take the call's tensors as operands (``torch.cond`` lifts nothing that
-    aliases them) and return what the original returns."""
+    The branches take the call's tensors as operands and return what the original returns,
+    each tensor its own dense copy (``_own``)."""
     leaves, spec = pytree.tree_flatten((hidden_states, args, kwargs))
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
@@ -116,7 +123,7 @@ def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tens
             for i, t in zip(at, tensors):
                 filled[i] = t
             h, a, k = pytree.tree_unflatten(filled, spec)
-            return wrapper.run(plan, attn, h, a, k)
+            return pytree.tree_map_only(torch.Tensor, _own, wrapper.run(plan, attn, h, a, k))
         return run
 
     variants, n = wrapper.variants, wrapper.phase.shape[0]
