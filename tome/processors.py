@@ -32,7 +32,16 @@ from .callplan import CallPlan, Planned
 from .config import ToMeConfig
 from .layout import Block, Layout, uncompiled
 from .report import PROCESSORS, STATE_ATTR, PatchReport
-from .wrappers import PHASES, SWITCHES, PoolingProcessor, block_problem, runner, unwrap, wrap
+from .wrappers import (
+    PHASES,
+    SWITCHES,
+    PoolingProcessor,
+    block_problem,
+    pinning,
+    runner,
+    unwrap,
+    wrap,
+)
 
 
 class _State(percall_calls.Counts, percall.Flags, Planned):
@@ -185,7 +194,10 @@ def _phases(state: _State) -> tuple[int, ...]:
     found = {f for part in state.parts for f in state.schedule.factors(part.index, part.kind, n)}
     if state.config.policy != "fixed":
         found.add(0)
-    return tuple(sorted(found)) if len(found) > 1 else ()
+    if not 1 < len(found) <= len(PHASES):
+        return ()
+    pinning()
+    return tuple(sorted(found))
 
 
 # ----------------------------------------------------------------------------- public API

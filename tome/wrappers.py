@@ -104,6 +104,31 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _fixed(t: torch.Tensor) -> torch.Tensor:
+    """An operand as ``torch.cond`` traced it, contiguous: inductor otherwise may lay it out
+    its own way (layout optimisation where the graph has a convolution: Wan compiled whole,
+    its patch embedding) and the branch's subgraph, which asserts the traced strides, raised
+    ``AssertionError: expected ... stride``. Inductor's own op pins the layout (``pinning``;
+    a copy in any other backend)."""
+    t = t.contiguous()
+    return t if _PIN is None else _PIN(t, t.stride())
+
+
+_PIN: Any = None
+
+
+def pinning() -> None:
+    """Find inductor's stride-pinning op (``_fixed``) on the host, before anything traces:
+    importing it inside a traced call would break the graph."""
+    global _PIN
+    if _PIN is None:
+        try:
+            import torch._inductor.inductor_prims  # noqa: F401  (registers the op)
+            _PIN = torch.ops.prims.inductor_force_stride_order
+        except (ImportError, AttributeError):
+            pass
+
+
 def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tensor,
            args: tuple, kwargs: dict) -> Any:
     """A compiled call of a block whose plan changes over sampling (a step window, a schedule
@@ -132,7 +157,7 @@ def switch(wrapper: PoolingProcessor, attn: nn.Module, hidden_states: torch.Tens
         if i == len(variants) - 1:
             return branch(variants[i])
         return lambda *t: torch.cond(n == i + 2, branch(variants[i]), pick(i + 1), t)
-    return pick(0)(*(leaves[i] for i in at))
+    return pick(0)(*(_fixed(leaves[i]) for i in at))
 
 
 _SIGNED: dict[type, type] = {}
