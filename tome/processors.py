@@ -127,7 +127,7 @@ class _Hooks:
     @merge.host_side  # eager in a model compiled whole: its Python ints never guard a graph
     def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         st = self.state
-        st.plan = None
+        st.plan = st.shadow = None  # the last call's plans go
         if st.removed or st.family.call is None:  # removed while torch held this call's hooks
             return
         st.push()  # no plan until this call's is known (a call that raised left its own)
@@ -160,7 +160,7 @@ class _Hooks:
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         st = self.state
         active = st.plan is not None
-        st.plan = None
+        st.plan = st.shadow = None
         st.push()
         if st.reuse.every:
             st.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
