@@ -210,6 +210,47 @@ def test_a_pipeline_compiled_whole_generates_and_comes_back_unpatched(model, ord
     assert torch.equal(after, unpatched)
 
 
+# ----------------------------------------------------------------------------- UNets
+
+# (latent height, width, batch) at CFG's batch of 2. The unpatched shallow SD1.5 compiled
+# whole (fullgraph, dynamo 2.13) takes 1, 1, 0 graphs: the sizes become dynamic at the
+# second, and 32x24 reuses that graph. (TINY_SD15, 5 sizes and a batch of 1: 1, 1, 1, 0, 1
+# unpatched and patched alike, docs/speed.md#compiled; 5 minutes a method here.)
+UNET_SIZES = [(16, 16, 2), (24, 24, 2), (32, 24, 2)]
+
+
+@pytest.mark.parametrize("kw", [dict(ratio=0.5), dict(method="downsample", downsample_factor=2)],
+                         ids=["merge", "downsample"])
+def test_a_unet_compiled_whole_merges_every_size_in_the_graphs_of_the_unpatched(kw):
+    """The hook adapter on an ldm UNet, compiled whole with ``fullgraph=True``: each size,
+    batch and step (the destinations hashed from the timestep on the device) is the eager
+    output, with the unpatched model's graphs (above). Before, every size was new graphs
+    (merge on TINY_SD15: 1, 2, 2, 2, 2, 2), as the UNet's pre-hook was traced and its latent
+    size became ints the blocks' graph guarded on; now it runs on the host and hands the
+    size over as ``plan.Call.grid``'s shape."""
+    from models import SHALLOW_SD15, ldm_inputs, ldm_unet
+    unet, plain = ldm_unet(SHALLOW_SD15), ldm_unet(SHALLOW_SD15)
+    tome.apply_patch(unet, **kw)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(unet, backend=counter, fullgraph=True)
+    graphs = []
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
+            for step, (h, w, batch) in enumerate(UNET_SIZES):
+                x, _, ctx = ldm_inputs(batch, h, w)
+                t = torch.full((batch,), 900.0 - 200 * step)
+                before = counter.frame_count
+                got = f(x, t, ctx)
+                graphs.append(counter.frame_count - before)
+                torch.testing.assert_close(got, unet(x, t, ctx))
+                assert not torch.equal(got, plain(x, t, ctx))  # it merged
+    finally:
+        tome.remove_patch(unet)
+        torch._dynamo.reset()
+    assert graphs == [1, 1, 0], graphs
+
+
 # ----------------------------------------------------------------------------- ComfyUI
 
 STUB = str(Path(__file__).resolve().parent / "comfy_stub")
@@ -273,7 +314,7 @@ def test_comfy_torch_compile_model_with_reuse_stays_compiled_across_eight_resolu
     with the graphs of pooling without reuse (two, none after the second resolution), each
     sampling the eager latent. Before: a third graph where the kept residual's size first
     changed (dynamo kept it static until then, tied to the call's symbolic sizes; now kept
-    marked dynamic, ``merge.sized_by_graph``); earlier still, reuse's states were guards
+    marked dynamic, ``graphs.sized_by_graph``); earlier still, reuse's states were guards
     (about three graphs per resolution; a refreshing call now runs eager, ``reuse._Eager``)."""
     from comfy_node import defaults
     graphs = _comfy(defaults(preset="quality", policy="fixed"), LARGER)

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tome"
 
 # Bottom to top. A module may import from its own layer and the ones below.
 LAYERS = [
-    ("tome.requirements", "tome.console", "tome.brackets", "tome.ratio"),
+    ("tome.requirements", "tome.console", "tome.brackets", "tome.ratio", "tome.graphs"),
     ("tome.merge",),
     ("tome.methods",),
     ("tome.schedule",),  # the DiT schedule: which factor pools which block when

@@ -153,23 +153,6 @@ def test_level_sharing_changes_the_image_little(sd15, inputs):
     assert 0 < dev["level"] < 2 * dev["block"], dev
 
 
-def test_compiles_fullgraph_without_recompiling_per_timestep(sd15, inputs):
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-    x, _, c = inputs
-    tome.apply_patch(sd15, ratio=0.5)
-    try:
-        counters.clear()
-        f = torch.compile(sd15, fullgraph=True, backend="eager")
-        for t in (900.0, 500.0, 100.0):
-            ts = torch.full((2,), t)
-            torch.testing.assert_close(f(x, ts, c), sd15(x, ts, c), rtol=0, atol=1e-5)
-        assert counters["stats"]["unique_graphs"] == 1
-    finally:
-        tome.remove_patch(sd15)
-        torch._dynamo.reset()
-
-
 # ------------------------------------------------------------------------- other patchers
 
 def test_attn1_replaced_on_the_instance_is_skipped(inputs):

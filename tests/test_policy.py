@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import ldm_inputs
+from models import SHALLOW_SD15, ldm_inputs, ldm_unet
 from stubs import fake_clock
 
 import tome
@@ -88,12 +88,23 @@ def test_without_measurement_the_thresholds_decide(sd15, tmp_path):
     assert not calls
 
 
-def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
+def test_a_compiled_model_measures_on_the_host_never_in_the_graph(tmp_path):
+    """The UNet's pre-hook runs on the host in a compiled model (``graphs.host_side``): a
+    size already measured is only read; a new size is measured there, before its graph, as
+    an eager call would, and never while dynamo traces (the measurement would be traced)."""
+    from tome.graphs import compiling
     from tome.measurements import MeasurementCache, Measurer
 
-    calls = []
+    calls, traced = [], []
+    clock = fake_clock(2.0, calls)
+
+    def timed(phase, fn):
+        traced.append(compiling())
+        return clock(phase, fn)
+
     service = Measurer(MeasurementCache(tmp_path / "m.json"), say=lambda s: None, rounds=1,
-                       clock=fake_clock(2.0, calls))
+                       clock=timed)
+    sd15 = ldm_unet(SHALLOW_SD15)  # a compiled TINY_SD15 traces a minute per graph
     x = ldm_inputs(2, 16, 16)
     tome.apply_patch(sd15, ratio=0.5, policy="auto", measure=service)
     try:
@@ -108,9 +119,9 @@ def test_compiled_model_only_reads_decisions_already_made(sd15, tmp_path):
         assert len(calls) == measured and counter.frame_count == 1
         torch.testing.assert_close(out, eager)
         assert out2.shape == out.shape
-        # a size never measured in eager mode is not measured inside the graph either
-        compiled(*ldm_inputs(2, 24, 24))
-        assert len(calls) == measured
+        larger = ldm_inputs(2, 24, 24)
+        torch.testing.assert_close(compiled(*larger), sd15(*larger))
+        assert len(calls) > measured and not any(traced)
     finally:
         tome.remove_patch(sd15)
         torch._dynamo.reset()

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import dit, merge
+from . import dit, graphs
 from .reuse import Keep, Reuse  # noqa: F401 (the adapters' and families' names for them)
 
 
@@ -131,7 +131,7 @@ MASK_BACKENDS = ("native", "_native_efficient", "_native_math", "_native_cudnn")
 
 def _backend(name: Any) -> tuple[bool, bool]:
     """Whether diffusers' attention backend ``name`` takes the bias as a mask, and a scale."""
-    if merge.compiling():  # not filled while tracing: the graph would guard on the cache
+    if graphs.compiling():  # not filled while tracing: the graph would guard on the cache
         return _backend_of(name)
     if name not in _BACKENDS:
         _BACKENDS[name] = _backend_of(name)

@@ -13,7 +13,7 @@ window's (a 0-999 timestep, ``scale`` from the model's own, or a sigma: ``plan.W
 which block factors read the progress follows the window too (a timestep window's edges
 are the progress's own, so every factor reads it; a sigma window's edges are widened, so
 the progress is read where the schedule varies or the budget changed it). It runs on the
-host (``merge.host_side``): eager where a bracket runs inside a model compiled whole (the
+host (``graphs.host_side``): eager where a bracket runs inside a model compiled whole (the
 processors' pre-hook), as the per-call hosts' brackets run outside it.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import dit, merge, plan
+from . import dit, graphs, plan
 
 
 class CallPlan(NamedTuple):
@@ -56,7 +56,7 @@ class Planned:
         n = len(self.kinds)
         return tuple(self.schedule.factor(i, kind, n, None) for i, kind in enumerate(self.kinds))
 
-    @merge.host_side  # eager in a model compiled whole: its reads never guard a graph
+    @graphs.host_side  # eager in a model compiled whole: its reads never guard a graph
     def plan_call(self, size: tuple[int, ...], tokens: int, device: Any, noise: Any,
                   batch: int, *, grid: tuple[int, ...], text: int, who: Any = None,
                   x: torch.Tensor | None = None, step: int | None = None,

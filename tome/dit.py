@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import merge, methods
+from . import graphs, methods
+from .graphs import grid_tensor
 from .schedule import (  # noqa: F401 (the schedule's names as the DiT form's)
     BLOCKS_HELP,
     MAX_FACTOR,
@@ -135,7 +136,7 @@ def key_bias(start: int, total: int, h: int, w: int, factor: int, device: Any,
     partial edge cell) the image would lose attention mass ``factor**2``-fold. Built from
     Python ints (no device read), once per call."""
     rest = total - start - frames * h * w
-    if merge.compiling():  # sizes may be symbolic: the same counts as tensor ops
+    if graphs.compiling():  # sizes may be symbolic: the same counts as tensor ops
         return F.pad(_cell_logs(h, w, factor, frames, temporal, device), (start, rest)).to(dtype)
     logs = [math.log(n) for n in cell_counts(h, w, factor, frames, temporal)]
     return torch.tensor([0.0] * start + logs + [0.0] * rest, device=device, dtype=dtype)
@@ -162,12 +163,6 @@ def rotate(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the method
-
-def grid_tensor(frames: int, h: int, w: int) -> torch.Tensor:
-    """An empty tensor (no storage) whose shape is a grid ``(frames, h, w, 0)``: how a plan
-    carries its sizes into a compiled graph (``DitPlan``)."""
-    return torch.empty((frames, h, w, 0))
-
 
 class DitPlan:
     """Pooling for one DiT call: the image grid (``frames x h x w``, frame-major; an image is
@@ -249,7 +244,7 @@ class DitPlan:
         once per plan (one call) and shared by its blocks; float32, cast by the caller."""
         if not self.biased:
             return None
-        if merge.compiling():
+        if graphs.compiling():
             return self._key_bias(start, total, device)
         key = (start, total, str(device))
         if self._bias[0] != key:
@@ -272,7 +267,7 @@ class DitPlan:
         lives for one call, so the embedding outlives the cache). Not cached while
         ``torch.compile`` traces: a guard on the embedding's identity would recompile every
         call; the compiled graph pools it per block instead."""
-        if merge.compiling():
+        if graphs.compiling():
             return pool(emb)
         key = (id(emb[0]) if isinstance(emb, (tuple, list)) else id(emb), start)
         if self._positions[0] != key:
@@ -287,7 +282,7 @@ def cached_plan(cache: dict, s: Any, f: int, rope: str, proportional: bool,
     ``cache`` in eager mode (its pooled positions and bias are built once; at most 32 kept),
     built in the graph while compiling (a dict read would add guards; ``s``'s sizes are
     symbolic there: ``percall._traced``)."""
-    if merge.compiling():
+    if graphs.compiling():
         return DitPlan(s.h, s.w, f, rope, proportional, s.frames, temporal)
     key = (s.frames, s.h, s.w, f, rope, proportional, temporal)
     if key not in cache:

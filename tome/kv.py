@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import attend, dit, merge
+from . import attend, dit, graphs
 
 
 class Spans(NamedTuple):
@@ -83,7 +83,7 @@ class CallState(NamedTuple):
         graph traced for one block for every block, the block read from them baked in; the
         count makes it one graph per block there (inside one traced model call it is read
         once, at 0)."""
-        if self.seen is not None and merge.compiling() and (
+        if self.seen is not None and graphs.compiling() and (
                 self.reuse is not None or len(set(self.factors)) > 1):
             self.seen.append(block)
 

@@ -25,12 +25,12 @@ cells around its own, which is ``9`` dot products per source instead of ``N / (s
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .graphs import compiling
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,37 +53,6 @@ def random_cells(h: int, w: int, sx: int, sy: int, generator: torch.Generator) -
 
 
 _M32 = 0xFFFFFFFF
-
-
-def host_side(fn: Callable) -> Callable:
-    """``fn`` run eagerly even inside a ``torch.compile``d model (dynamo skips it): a patch's
-    per-call decisions (the step's progress, residual reuse's state, the memory budget) are
-    host work that reads Python state; traced, they would guard on it or break the trace."""
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(call) if disable is not None else call
-
-
-def compiling() -> bool:
-    """True while ``torch.compile`` traces: Python-side caches must not be filled then (the graph
-    would guard on them and recompile). ``torch.compiler.is_compiling`` is torch >= 2.3; the
-    WebUI 1.10 ships torch 2.1."""
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if fn is None:
-        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return bool(fn()) if fn is not None else False
-
-
-def sized_by_graph(t: Any, *dims: int) -> Any:
-    """``t`` (a tensor kept for a later call, e.g. a residual) with ``dims`` marked dynamic for
-    dynamo where it is loaded: otherwise its sizes stay static until they change, and a graph
-    that reads it ties the call's symbolic sizes to them (a graph per size). Eager only: a
-    graph being traced (a model compiled whole) may not call dynamo's marking."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if t is not None and hasattr(dynamo, "maybe_mark_dynamic") and not compiling():
-        dynamo.maybe_mark_dynamic(t, list(dims))
-    return t
 
 
 def _hash32(z: torch.Tensor | int) -> torch.Tensor | int:
@@ -412,9 +381,20 @@ def grid_size(tokens: int, height: int, width: int) -> tuple[int, int, int]:
     latent.
 
     ``ceil`` mirrors the UNet's stride-2 convolutions with padding, so odd sizes work.
+    Integer arithmetic only: inside a compiled graph the sizes are symbolic (a block's tokens
+    and the call's grid), and each comparison of the search below is a guard that holds at
+    every size of that block, where a float square root would pin the sizes.
     """
-    downsample = math.ceil(math.sqrt(height * width // tokens))
-    return downsample, math.ceil(height / downsample), math.ceil(width / downsample)
+    quotient = height * width // tokens
+    if compiling():
+        downsample = 1
+        while downsample * downsample < quotient:
+            downsample += 1
+    else:
+        downsample = math.isqrt(quotient)
+        downsample += downsample * downsample < quotient
+    downsample = max(downsample, 1)
+    return downsample, -(-height // downsample), -(-width // downsample)
 
 
 def downsample_tokens(x: torch.Tensor, h: int, w: int, factor: int,

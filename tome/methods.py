@@ -38,7 +38,8 @@ class Planner(Protocol):
 
     config: ToMeConfig
 
-    def partition(self, call: Any, h: int, w: int, device: torch.device) -> Any: ...
+    def partition(self, call: Any, h: int, w: int, device: torch.device, level: int = 0
+                  ) -> Any: ...
 
     def record(self, level: int, tokens: int, removed: int) -> None: ...
 
@@ -144,12 +145,12 @@ class Merge(Method):
         r = int(N * c.ratio)
         if r <= 0 or h < c.sy or w < c.sx:  # no whole stride cell: nothing to merge into
             return None
-        key = (h, w, decoder)
+        key = (level, decoder)  # a compiled graph's h and w are symbolic: never a dict key
         if c.share == "level":
             plan = call.plans.get(key)
             if plan is not None and plan.batch == x.shape[0]:
                 return plan
-        src_idx, dst_idx = planner.partition(call, h, w, x.device)
+        src_idx, dst_idx = planner.partition(call, h, w, x.device, level)
         plan = merge.Plan(x, src_idx, dst_idx, r, merge.matcher(c.matching, h, w, c.sx, c.sy))
         if c.share == "level":
             call.plans[key] = plan
@@ -199,10 +200,10 @@ class Downsample(Method):
 
     def plan(self, planner: Planner, call: Call, x: torch.Tensor, level: int, h: int,
              w: int, decoder: bool) -> DownsamplePlan:
-        plan = call.plans.get((h, w))
+        plan = call.plans.get(level)
         if plan is None:
             f = planner.config.downsample_factor
-            plan = call.plans[(h, w)] = DownsamplePlan(h, w, f)
+            plan = call.plans[level] = DownsamplePlan(h, w, f)
             planner.record(level, x.shape[1], x.shape[1] - max(1, h // f) * max(1, w // f))
         return plan
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import budget, dit, kv, merge, percall
+from . import budget, dit, graphs, kv, percall
 from . import percall_calls as calls
 from .config import ToMeConfig
 from .kv import Spans
@@ -117,7 +117,7 @@ class KvPool(percall.Flags):
             name = self.leave(prev, args, kwargs)
             if name:  # it declines pooled keys: its calls go to it whole
                 calls.count(self.tally, calls.LEFT)
-                if name not in self.told and self.say is not None and not merge.compiling():
+                if name not in self.told and self.say is not None and not graphs.compiling():
                     self.told.add(name)
                     self.say(f"ToMe: attention calls that {name} takes are left to it "
                              "unpooled (it declines pooled keys); the others are pooled")

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import graphs, methods
 from . import layout as _layout
-from . import methods
 from . import plan as _plan
 from .config import ToMeConfig
 from .layout import Layout, UnsupportedModelError, unusable
@@ -164,6 +164,10 @@ class _Hooks:
         self.method = state.planner.method
 
     # UNet ---------------------------------------------------------------
+    # Both run eagerly in a model compiled whole (``graphs.host_side``): the call's latent size
+    # reaches the blocks as ``Call.grid``'s shape, dynamic in the graph, instead of Python
+    # ints the graph would guard on (a graph per image size).
+    @graphs.host_side
     def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         if self.state.removed:  # removed while torch held this call's hooks (adapters.remove)
             return
@@ -173,6 +177,7 @@ class _Hooks:
                                                    x.shape[0]) \
             if isinstance(x, torch.Tensor) else None
 
+    @graphs.host_side
     def unet_post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self.state.call = None
 

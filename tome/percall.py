@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attend, budget, dit, merge, plan
+from . import attend, budget, dit, graphs, plan
 from .callplan import Planned
 from .config import ToMeConfig, without_reuse
 from .kv import CallState, Spans
@@ -82,7 +82,7 @@ def _traced(active: Any) -> Any:
     shape, which dynamo makes dynamic as it does the model's own sizes (its ints would be
     guarded on: one graph per image size)."""
     state = None if active is None else active[1]
-    if state is None or state.grid is None or not merge.compiling():
+    if state is None or state.grid is None or not graphs.compiling():
         return active
     s, (frames, h, w) = state.spans, state.grid.shape[:3]
     spans = Spans(s.text, s.text_first, s.before, frames, h, w, s.after, s.cross)
@@ -118,7 +118,7 @@ class Flags:
 
 def note(skipped: list, block: Any, why: str) -> None:
     """Record a block left unpooled and why, once per block (eager calls only)."""
-    if not merge.compiling() and not any(b == block for b, _ in skipped):
+    if not graphs.compiling() and not any(b == block for b, _ in skipped):
         skipped.append((block, why))
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import merge, methods, policy
+from . import graphs, merge, methods, policy
 from .config import ToMeConfig
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -130,8 +130,9 @@ def grid_of(tokens: int, size: tuple[int, ...], max_downsample: int
             ) -> tuple[int, int, int] | None:
     """``(downsample, h, w)`` of a block seeing ``tokens`` tokens of a latent of ``size``
     (``(height, width)``, or ``(frames, height, width)``: ``frames`` grids of ``h x w``), or
-    None when that level is not merged (too deep, or not a grid of this latent)."""
-    t, height, width = policy.latent_grid(size)
+    None when that level is not merged (too deep, or not a grid of this latent). The sizes
+    may be a compiled graph's symbolic ones (``Call.grid``): no ``int()`` of them here."""
+    t, height, width = size if len(size) == 3 else (1, *size)
     if tokens % t:
         return None
     ds, h, w = merge.grid_size(tokens // t, height, width)
@@ -188,20 +189,31 @@ def flow_percent_to_sigma(percent: float) -> float:
 class Call:
     """One UNet call: the latent's grid ``(frames, height, width)`` (an image is one frame; a
     video DiT's blocks see ``frames`` grids, frame-major), the timestep (left on the device)
-    and the plans shared by the blocks of this call."""
+    and the plans shared by the blocks of this call, per level.
 
-    __slots__ = ("size", "timestep", "kind", "measured", "plans", "partitions")
+    ``size`` is the grid as host ints (reports, measuring); ``grid`` the same as an empty
+    tensor's shape (``graphs.grid_tensor``), which is what the blocks read (``sizes``): a call
+    started on the host (a UNet's pre-hook runs eagerly) hands a compiled graph its sizes as
+    dynamic shapes, not as ints the graph would guard on."""
+
+    __slots__ = ("size", "grid", "timestep", "kind", "measured", "plans", "partitions")
 
     def __init__(self, size: tuple[int, ...], timestep: Any, kind: str,
                  measured: dict[int, policy.LevelSpeed] | None = None):
         self.size, self.timestep, self.kind = policy.latent_grid(size), timestep, kind
+        self.grid = graphs.grid_tensor(*self.size)
         self.measured = measured or {}  # level -> (speed-up, device) measured at this size
-        self.plans: dict[tuple, Any] = {}
-        self.partitions: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.plans: dict[tuple, Any] = {}  # keyed by level: a graph's sizes are symbolic
+        self.partitions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # level -> idx
 
     @property
     def frames(self) -> int:
         return self.size[0]
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """``(frames, height, width)`` read from ``grid`` (symbolic in a graph)."""
+        return self.grid.shape[0], self.grid.shape[1], self.grid.shape[2]
 
 
 class Planner:
@@ -261,7 +273,7 @@ class Planner:
                 t = None
             if t is not None:
                 inside = self.window.inside(t)
-                if not merge.compiling():
+                if not graphs.compiling():
                     self.window.seen(t, inside)
                 if not inside:
                     return None
@@ -270,7 +282,7 @@ class Planner:
     def prepare(self, size: tuple[int, ...], batch: int, device: torch.device) -> None:
         """Measure at ``size`` now, if the policy measures and nothing is known yet."""
         size = policy.latent_grid(size)
-        if self.measurer is None or merge.compiling():
+        if self.measurer is None or graphs.compiling():
             return
         now = self.variant() if self.variant is not None else None
         if size not in self.measured or self._as.get(size) != now:
@@ -283,7 +295,7 @@ class Planner:
         The decisions are the ones the blocks then use."""
         size = policy.latent_grid(size)
         told = (size, kind, self._as.get(size))  # measured again: told again
-        if self.on_decided is None or merge.compiling() or told in self._told \
+        if self.on_decided is None or graphs.compiling() or told in self._told \
                 or (self.measurer is not None and size not in self.measured):
             return
         self._told.add(told)
@@ -293,8 +305,10 @@ class Planner:
 
     def decision(self, level: int, tokens: int, kind: str,
                  measured: policy.LevelSpeed | None = None) -> policy.Decision:
-        if merge.compiling():  # a dict filled on the first call would recompile
-            return policy.decide_level(self.config, level, tokens, kind, measured, self.method)
+        if graphs.compiling():  # a dict filled on the first call would recompile; the tokens
+            # may be symbolic: no reason text (it would print, and so pin, them)
+            merged = policy.merges(self.config, tokens, kind, measured, self.method)
+            return policy.Decision(level, tokens, merged, "")
         key = (level, tokens, kind, measured)
         if key not in self.decisions:
             self.decisions[key] = policy.decide_level(self.config, level, tokens, kind, measured,
@@ -310,7 +324,7 @@ class Planner:
         there costs visibly more quality (docs/quality.md).
         """
         N = x.shape[1]
-        grid = grid_of(N, call.size, self.max_downsample)
+        grid = grid_of(N, call.sizes, self.max_downsample)
         if grid is None:
             return None
         ds, h, w = grid
@@ -320,23 +334,23 @@ class Planner:
 
     def merges(self, call: Call, tokens: int) -> bool:
         """Whether a block seeing ``tokens`` tokens is merged in ``call`` (level and policy)."""
-        grid = grid_of(tokens, call.size, self.max_downsample)
+        grid = grid_of(tokens, call.sizes, self.max_downsample)
         return grid is not None and self.decision(grid[0], tokens, call.kind,
                                                   call.measured.get(grid[0])).merged
 
     def record(self, ds: int, tokens: int, removed: int) -> None:
         """Report figures, in eager mode only: a compiled graph would guard on the dict."""
-        if not merge.compiling():
+        if not graphs.compiling():
             self.tokens[ds] = (tokens, removed)
 
-    def partition(self, call: Call, h: int, w: int, device: torch.device):
-        """Shared by every block at this grid size in this call."""
-        key = (h, w)
+    def partition(self, call: Call, h: int, w: int, device: torch.device, level: int = 0):
+        """Shared by every block at ``level`` (its grid ``h x w``) in this call."""
+        key = level
         if key not in call.partitions:
             c = self.config
             if c.use_rand:
                 call.partitions[key] = seeded_partition(c, call.timestep, h, w, device)
-            elif merge.compiling():  # part of the graph, no cache to guard on
+            elif graphs.compiling():  # part of the graph, no cache to guard on
                 call.partitions[key] = seeded_partition(c, None, h, w, device)
             else:
                 fixed = (h, w, str(device))

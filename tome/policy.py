@@ -146,13 +146,29 @@ def decide_level(config: ToMeConfig, level: int, tokens: int, kind: str,
         m = LevelSpeed(*measured)
         return Decision(level, tokens, m.merged, f"measured {m.speedup:.2f}x on {m.device}, "
                         + verdict(m.speedup, m.low, m.high))
-    thresholds = getattr(method, "thresholds", None) or methods.get(config.method).thresholds
-    threshold = thresholds.get(kind, thresholds.get(FALLBACK, 0))
+    threshold = _threshold(config, kind, method)
     if tokens >= threshold:
         return Decision(level, tokens, True, f"{tokens} tokens, at or above the {kind.upper()} "
                         f"threshold ({threshold})")
     return Decision(level, tokens, False, f"{tokens} tokens, below the {kind.upper()} threshold "
                     f"({threshold}), not merged")
+
+
+def _threshold(config: ToMeConfig, kind: str, method: object) -> int:
+    thresholds = getattr(method, "thresholds", None) or methods.get(config.method).thresholds
+    return thresholds.get(kind, thresholds.get(FALLBACK, 0))
+
+
+def merges(config: ToMeConfig, tokens: int, kind: str, measured: LevelSpeed | None = None,
+           method: object = None) -> bool:
+    """``decide_level(...).merged`` without its reason: what a compiled graph asks, where
+    ``tokens`` is symbolic (the comparison is a guard that holds until the threshold is
+    crossed; a reason's text would pin the count)."""
+    if config.policy == "fixed":
+        return True
+    if measured is not None:
+        return LevelSpeed(*measured).merged
+    return tokens >= _threshold(config, kind, method)
 
 
 def decide(config: ToMeConfig, latent: tuple[int, ...], levels: list[int] | tuple[int, ...],

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from . import attend as _attend
-from . import brackets, budget, console, dit, dits, merge, parallel, percall, percall_calls, policy
+from . import brackets, budget, console, dit, dits, graphs, parallel, percall, percall_calls, policy
 from . import plan as _plan
 from .callplan import CallPlan, Planned
 from .config import ToMeConfig
@@ -124,14 +124,14 @@ class _Hooks:
     def __init__(self, state: _State):
         self.state = state
 
-    @merge.host_side  # eager in a model compiled whole: its Python ints never guard a graph
+    @graphs.host_side  # eager in a model compiled whole: its Python ints never guard a graph
     def call_pre(self, module: nn.Module | None, args: tuple, kwargs: dict) -> None:
         st = self.state
         st.plan = st.shadow = None  # the last call's plans go
         if st.removed or st.family.call is None:  # removed while torch held this call's hooks
             return
         st.push()  # no plan until this call's is known (a call that raised left its own)
-        counted = not merge.compiling()  # a compiled model's calls are not counted
+        counted = not graphs.compiling()  # a compiled model's calls are not counted
         if counted:
             st.flags.clear()
             st.flags["call"] = True
@@ -156,7 +156,7 @@ class _Hooks:
             st.shadow = _shadow(st.planner.config, size, n, d.patch)
         st.push()
 
-    @merge.host_side
+    @graphs.host_side
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         st = self.state
         active = st.plan is not None
@@ -164,7 +164,7 @@ class _Hooks:
         st.push()
         if st.reuse.every:
             st.reuse.end()  # a refreshing call's eager stance left (``reuse._Eager``)
-        if not merge.compiling() and st.flags.pop("call", False):  # as the per-call hosts
+        if not graphs.compiling() and st.flags.pop("call", False):  # as the per-call hosts
             if not st.flags.get("fired") and not getattr(module, "is_cache_enabled", False):
                 st.flags.update(fired=True, pooled=active)  # compiled blocks record nothing
             # (a step cache's skipped call reaches no attention either: not a replayed one)

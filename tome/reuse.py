@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import merge
+from . import graphs
 from .schedule import period
 
 
@@ -358,7 +358,7 @@ class Reuse:
             lane.eager = True                                  # state (``_Eager``)
             EAGER.enter()
 
-    @merge.host_side
+    @graphs.host_side
     def end(self) -> None:
         """This thread's model call ended (its bracket's exit): compiled code runs compiled
         again where no other thread's call refreshes (eager inside a compiled model)."""
@@ -437,7 +437,7 @@ class Reuse:
         if self.extrapolate and self.keep.slope:
             slope = torch.zeros_like(r) if kept is None else \
                 (r - kept[0].to(r.dtype)) / (lane.now - kept[2]).clamp(min=1)
-        dt, sized = self.keep.dtype, lambda t: merge.sized_by_graph(t, 0, dim)  # rows, sequence
+        dt, sized = self.keep.dtype, lambda t: graphs.sized_by_graph(t, 0, dim)  # rows, sequence
         cur[factor] = (sized(kept_as(r, dt)), sized(None if slope is None else kept_as(slope, dt)),
                        lane.now)
         return f

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import attend as _attend
-from . import dits, merge, parallel, percall_calls
+from . import dits, graphs, parallel, percall_calls
 from . import plan as _plan
 from .layout import Layout
 
@@ -59,7 +59,7 @@ class PoolingProcessor:
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
-        if self.variants and merge.compiling():
+        if self.variants and graphs.compiling():
             return switch(self, attn, hidden_states, args, kwargs)
         plan = self.current if self.pushed else self.source.plan_for(self.index, self.kind)
         return self.run(plan, attn, hidden_states, args, kwargs)
