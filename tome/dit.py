@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from . import graphs, methods
-from .graphs import grid_tensor
 from .schedule import (  # noqa: F401 (the schedule's names as the DiT form's)
     BLOCKS_HELP,
     MAX_FACTOR,
@@ -174,11 +173,11 @@ class DitPlan:
 
     def __init__(self, h: int, w: int, factor: int, rope: str, proportional: bool = False,
                  frames: int = 1, temporal: int = 1, size: torch.Tensor | None = None):
-        # The grid is the shape of an empty tensor (``grid_tensor``), not Python ints: a
+        # The grid is the shape of an empty tensor (``graphs.grid_tensor``), not Python ints: a
         # compiled graph reads sizes from it as it reads the model's own tensors' sizes, so
         # dynamo makes them dynamic after a second image size (automatic dynamic shapes)
         # instead of guarding on each ``h == 16`` and recompiling per size.
-        self.size = grid_tensor(frames, h, w) if size is None else size
+        self.size = graphs.grid_tensor(frames, h, w) if size is None else size
         self.factor, self.rope = factor, rope
         self.proportional = proportional
         self.temporal = temporal if factor > 1 else 1  # frames pooled only where space is

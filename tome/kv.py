@@ -63,7 +63,7 @@ class CallState(NamedTuple):
     proportional: bool
     reuse: Any = None
     parts: tuple = ()
-    grid: Any = None  # ``dit.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
+    grid: Any = None  # ``graphs.grid_tensor`` of the spans' grid: its sizes symbolic in a graph
     temporal: int = 1  # frames per cell (``ToMeConfig.temporal``)
     seen: list | None = None  # the blocks this call's compiled attention calls named (``note``)
 

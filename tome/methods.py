@@ -38,7 +38,7 @@ class Planner(Protocol):
 
     config: ToMeConfig
 
-    def partition(self, call: Any, h: int, w: int, device: torch.device, level: int = 0
+    def partition(self, call: Any, h: int, w: int, device: torch.device, level: int
                   ) -> Any: ...
 
     def record(self, level: int, tokens: int, removed: int) -> None: ...

@@ -250,7 +250,7 @@ class Core(Counts, Planned):
         reuse = got.reuse
         return CallState(spans, got.factors, self.doubles, bool(self.applied.proportional),
                          reuse, reuse.parts() if reuse is not None else (),
-                         dit.grid_tensor(spans.frames, spans.h, spans.w), deep, seen=[])
+                         graphs.grid_tensor(spans.frames, spans.h, spans.w), deep, seen=[])
 
     @contextmanager
     def running(self, owner: Any, spans: Spans | None, state: CallState | None,

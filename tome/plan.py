@@ -343,7 +343,7 @@ class Planner:
         if not graphs.compiling():
             self.tokens[ds] = (tokens, removed)
 
-    def partition(self, call: Call, h: int, w: int, device: torch.device, level: int = 0):
+    def partition(self, call: Call, h: int, w: int, device: torch.device, level: int):
         """Shared by every block at ``level`` (its grid ``h x w``) in this call."""
         key = level
         if key not in call.partitions:
