@@ -133,7 +133,7 @@ def test_regional_fullgraph_switches_plans_over_sampling_in_the_graphs_of_the_un
 def test_the_proportional_bias_in_a_graph_is_the_eager_bias():
     """``key_bias`` built from symbolic sizes (tensor ops, while compiling) gives the eager
     Python-built bias at edge cells, frames and temporal pooling, with no graph per size."""
-    from tome import dit
+    from tome import dit, graphs
     counter = torch._dynamo.testing.CompileCounter()
 
     @torch.compile(backend=counter, fullgraph=True)
@@ -144,7 +144,7 @@ def test_the_proportional_bias_in_a_graph_is_the_eager_bias():
     torch._dynamo.reset()
     for frames, h, w in [(1, 8, 8), (1, 9, 14), (1, 13, 7), (2, 10, 6)]:
         want = dit.key_bias(3, 3 + frames * h * w + 2, h, w, 4, "cpu", frames=frames)
-        torch.testing.assert_close(bias(dit.grid_tensor(frames, h, w)), want)
+        torch.testing.assert_close(bias(graphs.grid_tensor(frames, h, w)), want)
     assert counter.frame_count <= 3  # static, dynamic, then frames above 1
     torch._dynamo.reset()
 

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 from . import parallel
-from .merge import compiling
+from .graphs import compiling
 
 # What an attention call did (``Tally`` keys), in the order the line names them.
 POOLED, CROSS, MASKED, X1, OUTSIDE = "pooled", "cross", "masked", "x1", "outside"
