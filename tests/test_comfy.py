@@ -107,7 +107,7 @@ def test_clones_share_one_patch():
     (patch,), _ = mp.carried(ours)
     (copied,), _ = mp.carried(ours.clone())
     assert copied is patch
-    guard = ours.wrappers["diffusion_model"][nodes.GUARD_KEY][0]  # 0.8.0's name
+    guard = ours.wrappers["apply_model"][nodes.GUARD_KEY][0]  # 0.8.0's name
     assert copy.deepcopy(guard) is guard
 
 

@@ -392,3 +392,88 @@ def test_comfy_blocks_past_the_recompile_limit_split_by_a_graph_break_are_still_
     _attention_breaks_the_graph(monkeypatch)
     _comfy(defaults(preset="quality", policy="fixed"), [(16, 16)], limit_error=False, depth=6,
            depth_single_blocks=6)
+
+
+# ----------------------------------------------------------------------------- ComfyUI, UNet
+
+def _comfy_unet():
+    """The shallow SD1.5 behind ComfyUI's stand-in patcher, and its KSampler (2 steps)."""
+    if STUB not in sys.path:
+        sys.path.insert(0, STUB)
+    from comfy.sampling import ksample
+    from models import SHALLOW_SD15, ldm_inputs
+    from test_comfy import model
+
+    def sample(patcher, h, w):
+        x, _, ctx = ldm_inputs(2, h, w)
+        return torch.cat(ksample(patcher, x, ctx, steps=2))
+
+    return model(SHALLOW_SD15), sample
+
+
+def _compiled(patcher, backend):
+    """ComfyUI's TorchCompileModel node (the stand-in) on ``patcher``, with dynamo's counter as
+    its backend."""
+    from comfy_api.torch_helpers import TorchCompileModel
+    return TorchCompileModel().execute(patcher, backend=backend)[0]
+
+
+@pytest.mark.parametrize("kw", [dict(ratio=0.5), dict(method="downsample", downsample_factor=2)],
+                         ids=["merge", "downsample"])
+def test_comfy_torch_compile_model_merges_a_unet_at_every_size_in_the_graphs_of_the_unpatched(
+        kw):
+    """TorchCompileModel after the node on an SD1.5 UNet (the attn1 patch; ComfyUI's guard
+    filter): three sizes, each sampling the eager latent, with the unpatched model's graphs
+    (1, 1, 0). Before: 2, 2, 2, as the patch began its call in the graph from Python ints
+    (the latent size) and counted its calls there."""
+    from comfy_node import defaults
+
+    from tome.comfy import nodes
+    base, sample = _comfy_unet()
+    ours = nodes.ToMePatch().patch(base, **defaults(policy="fixed", **kw))[0]
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = _compiled(ours, counter)
+    graphs = []
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
+            for h, w, _ in UNET_SIZES:
+                before = counter.frame_count
+                got = sample(compiled, h, w)
+                graphs.append(counter.frame_count - before)
+                torch.testing.assert_close(got, sample(ours, h, w))
+                assert not torch.equal(got, sample(base, h, w))  # it merged
+    finally:
+        torch._dynamo.reset()
+    assert graphs == [1, 1, 0], graphs
+
+
+def test_comfy_torch_compile_model_before_the_node_follows_every_change_of_settings(lines):
+    """TorchCompileModel before the node (its output cached by ComfyUI: one compiled module
+    and one backend for every run after): ToMe at 0.5, at 0.25, no ToMe, then 0.5 again,
+    each sampling its eager latent. ComfyUI's guard filter hides every change of the patches
+    from dynamo, so a graph reads a run's settings and call through a module global whose
+    guards hold (``patcher.LIVE``), never through the patch function (unguarded there: it
+    would replay what it was traced with). The graph traced with no ToMe reads nothing of
+    ours, so it would replay unmerged once ToMe is back: the node sees its patch not reached,
+    drops that graph and runs the call again, traced with the patch (one line)."""
+    from comfy_node import defaults
+
+    from tome.comfy import nodes
+    base, sample = _comfy_unet()
+    torch._dynamo.reset()
+    compiled = _compiled(base, torch._dynamo.testing.CompileCounter())
+    said = []  # RECOMPILED lines so far, after each run
+    try:
+        with torch.no_grad():
+            for ratio in (0.5, 0.25, None, 0.5):
+                eager, model = base, compiled
+                if ratio is not None:
+                    eager, model = (nodes.ToMePatch().patch(m, **defaults(policy="fixed",
+                                                                          ratio=ratio))[0]
+                                    for m in (base, compiled))
+                torch.testing.assert_close(sample(model, 16, 16), sample(eager, 16, 16))
+                said.append(lines.count(nodes.RECOMPILED))
+        assert said == [0, 0, 0, 1] and nodes.STALE not in lines
+    finally:
+        torch._dynamo.reset()

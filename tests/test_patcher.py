@@ -114,7 +114,11 @@ def test_a_replacement_keyed_by_block_name_and_number_counts_too(patcher):
     ours, patch = patch_unet(patcher, ToMeConfig(ratio=0.5, max_downsample=8))
     to = ours.model_options["transformer_options"]
     to.setdefault("patches_replace", {}).setdefault("attn1", {})[("middle", 0)] = print
-    assert getattr(ours, mp.MARK)._replaced(("middle", 0, 0), {})
+    x = torch.randn(2, 4 * 4, 8)  # the middle block of a 32x32 latent (ds8)
+    plain = self_attention_block(patcher, x, (2, 4, 32, 32), block=("middle", 0))
+    left = self_attention_block(ours, x, (2, 4, 32, 32), block=("middle", 0))
+    assert torch.equal(left, plain)  # the stand-in looks up (name, number, index) only
+    assert [block for block, _ in patch.skipped] == [("middle", 0, 0)]
 
 
 def test_both_adapters_report_alike(patcher):

@@ -55,3 +55,22 @@ def grid_tensor(frames: int, h: int, w: int) -> torch.Tensor:
     (automatic dynamic shapes) instead of guarding on each ``h == 16`` and recompiling per
     size, as it would on Python ints."""
     return torch.empty((frames, h, w, 0))
+
+
+def forget_graphs(module: Any) -> bool:
+    """Drop the graphs dynamo compiled for ``module`` (a ``torch.compile``d module: its
+    forward's code), so its next call is traced again; False where ``module`` is not one.
+
+    For a host whose compile hides changes of patches from dynamo's guards (ComfyUI's
+    TorchCompileModel drops every guard on ``transformer_options``): a graph traced before a
+    patch was added would replay the model without it. Only that code's graphs are dropped;
+    dynamo's other caches (other models, its size history) stay."""
+    original = getattr(module, "_orig_mod", None)
+    dynamo = sys.modules.get("torch._dynamo")
+    reset = getattr(dynamo, "reset_code", None)
+    forward = getattr(type(original), "forward", None) if original is not None else None
+    code = getattr(forward, "__code__", None)
+    if reset is None or code is None:
+        return False
+    reset(code)
+    return True

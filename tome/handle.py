@@ -60,8 +60,21 @@ class PatchHandle:
 
     @property
     def calls(self) -> int:
-        """Calls the patch received so far (model calls, or a UNet's attn1 calls)."""
+        """Calls the patch received so far, counted on the host (model calls, or a UNet's
+        attn1 calls in eager calls)."""
         return self._mark.calls
+
+    def start(self, x: Any, sigmas: Any, options: dict | None = None) -> Any:
+        """A UNet's patch: begin the model call on the latent ``x`` at ``sigmas`` on the host,
+        before the model runs (outside a compiled UNet); hand the result to ``finish`` after
+        it. Hosts that call this get a compiled UNet's graphs right at every call (the
+        window, the settings); None for a DiT's patch, which starts its own calls."""
+        start = getattr(self._mark, "start", None)
+        return start(x, sigmas, options) if not self.per_call and start is not None else None
+
+    def finish(self, started: Any) -> None:
+        if started is not None:
+            self._mark.finish(started)
 
     def attach(self, callbacks: Callbacks) -> None:
         """Give the patch the host's callbacks (before its first sampling)."""
@@ -76,9 +89,11 @@ class PatchHandle:
             pool.say = callbacks.say
 
     def since(self) -> Any:
-        """What has been counted so far (hand it to ``after``)."""
+        """What has been counted so far (hand it to ``after`` or ``reached``). A UNet's patch
+        also starts marking its calls anew: a compiled graph's replay runs no Python to count,
+        but sets the mark."""
         if not self.per_call:
-            return self._mark.calls
+            return self._mark.since()
         return self._mark.counts(), self._mark.tallies()
 
     def after(self, since: Any, told_silent: bool = False) -> str | None:
@@ -88,7 +103,7 @@ class PatchHandle:
         line where its patch was never called (unless ``told_silent``); else None."""
         mark = self._mark
         if not self.per_call:
-            return self.silent if mark.calls == since and not told_silent else None
+            return self.silent if not mark.reached_since(since) and not told_silent else None
         return mark.not_pooled(since[0]) or self.tally(since)
 
     def tally(self, since: Any) -> str:
@@ -101,7 +116,7 @@ class PatchHandle:
     def reached(self, since: Any) -> bool:
         """Whether a call since ``since`` reached the patch's attention."""
         return self._mark.counts()[1] > since[0][1] if self.per_call else \
-            self._mark.calls > since
+            self._mark.reached_since(since)
 
     def said_silent(self) -> bool:
         """Whether the host has a word for a never-reached patch (it said it at the call)."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import graphs
 from . import layout as _layout
 from .config import ToMeConfig
 from .modelpatcher import MARK, Attn1Owner, attn1_replacements, window_of
@@ -36,12 +37,43 @@ from .plan import Call, Planner, Window
 from .report import ATTN1_PATCH, PatchReport
 
 
+class Live:
+    """The UNet call now running, as the blocks read it: the patch, its ``plan.Call`` (None
+    outside the start/end window) and the attn1 replacements of the patcher that samples.
+
+    A host that starts each model call on the host (ComfyUI: ``Attn1Patch.start`` from the
+    node's ``apply_model`` wrapper, outside a compiled UNet) fills the module's ``LIVE``; a
+    compiled graph reads it through that global, whose guards hold. Read through the patch
+    function instead, it would be a constant: ComfyUI's TorchCompileModel drops every guard
+    whose source names ``transformer_options``, where the patch functions sit, so a graph
+    would replay the window state, the call and even the settings it was traced with. A
+    host that does not (the Forge family) gets the patch's own, begun at a call's first
+    block, in eager calls."""
+
+    __slots__ = ("patch", "call", "replaced")
+
+    def __init__(self) -> None:
+        self.patch: Attn1Patch | None = None
+        self.call: Call | None = None
+        self.replaced: frozenset = frozenset()
+
+    def swap(self, patch: Attn1Patch | None, call: Call | None, replaced: frozenset
+             ) -> tuple:
+        saved = (self.patch, self.call, self.replaced)
+        self.patch, self.call, self.replaced = patch, call, replaced
+        return saved
+
+
+LIVE = Live()  # one UNet call at a time per process (a host's sampling worker)
+
+
 class Attn1Patch(Attn1Owner):
     """The two patch functions for one sampling pass, sharing the plan of the current block.
 
-    The contract has no hook at the start of a UNet call, so a call starts when the first
-    block seen in this pass comes round again. The step's sigma stands in for the timestep (it
-    stays on the device: the partition is hashed from it there).
+    A call is started on the host before the model runs where the host allows it (``start``,
+    ``finish``: ComfyUI); else the contract's first block starts it (a call starts when the
+    first block seen in this pass comes round again). The step's sigma stands in for the
+    timestep (it stays on the device: the partition is hashed from it there).
     """
 
     def __init__(self, config: ToMeConfig, max_downsample: int, levels: list[int],
@@ -56,27 +88,56 @@ class Attn1Patch(Attn1Owner):
         self.skipped: list[tuple[Any, str]] = []  # (block, reason), once per block, live
         self.plan: Any = None  # the plan of the block between attn1 and its output
         self.first: Any = None
-        self.call: Call | None = None
-        self.calls = 0  # attn1 calls received (a host whose blocks never call us: 0)
+        self.own = Live()  # the call begun at its first block (hosts without ``start``)
+        self.calls = 0  # attn1 calls counted on the host (eager calls)
+        # Set by every attn1 call, cleared by the host (``since``): a constant store, so a
+        # compiled graph's replay sets it too, where it runs no Python to count.
+        self.touched = False
 
-    def _begin(self, block: Any, n: torch.Tensor, extra: dict) -> None:
+    def start(self, x: torch.Tensor, sigmas: Any, options: Mapping | None = None) -> tuple:
+        """Host side, before a model call on the latent ``x`` ([B, C, H, W]) at ``sigmas``
+        (the step's, on the device): begin the call (measuring a new size first, the window,
+        the decisions' line) and make it the one the blocks read. Hand the result to
+        ``finish`` after the call."""
+        call = self.planner.begin(tuple(x.shape[-2:]), x.device, sigmas, x.shape[0])
+        return LIVE.swap(self, call, self._replacing(options))
+
+    def finish(self, saved: tuple) -> None:
+        LIVE.swap(*saved)
+
+    def since(self) -> int:
+        """Before a sampling: clear ``touched``; what was counted so far."""
+        self.touched = False
+        return self.calls
+
+    def reached_since(self, since: int) -> bool:
+        return self.touched or self.calls > since
+
+    def _replacing(self, options: Mapping | None) -> frozenset:
+        """The blocks whose attn1 another patch replaces (Self-Attention Guidance records the
+        middle block's attention map this way), as ``(name, number, index)`` or ``(name,
+        number)``: the call's own ``patches_replace``, else the sampling patcher's (Forge
+        keeps them out of ``extra_options``)."""
+        replace = ((options or {}).get("patches_replace") or {}).get("attn1") \
+            or self.replacements()
+        return frozenset(replace)
+
+    def _live(self, block: Any, n: torch.Tensor, extra: dict) -> Live:
+        if LIVE.patch is not None:
+            return LIVE
+        own = self.own
         if self.first is None:
             self.first = block
-        if block == self.first or self.call is None:
+        if block == self.first or own.call is None:
             size = tuple(extra["original_shape"][-2:])
-            self.call = self.planner.begin(size, n.device, extra.get("sigmas"), n.shape[0])
+            own.swap(self, self.planner.begin(size, n.device, extra.get("sigmas"), n.shape[0]),
+                     self._replacing(extra))
+        return own
 
-    def _replaced(self, block: Any, extra: dict) -> bool:
-        """Another patch replaces this block's attn1 (Self-Attention Guidance records the middle
-        block's attention map this way): it must see every token, so leave the block alone.
-        Forge looks a replacement up by ``(name, number, index)``, then by ``(name, number)``."""
-        replace = (extra.get("patches_replace") or {}).get("attn1") or self.replacements()
-        if block not in replace and block[:2] not in replace:
-            return False
-        if not any(b == block for b, _ in self.skipped):
-            self.skipped.append((block, "attn1 replaced by another patch (e.g. Self-Attention "
-                                        "Guidance)"))
-        return True
+    def _skip(self, block: Any, reason: str) -> None:
+        """Record a block left alone (eager calls: a graph would replay the append)."""
+        if not graphs.compiling() and not any(b == block for b, _ in self.skipped):
+            self.skipped.append((block, reason))
 
     SILENT = ("ToMe: this model's blocks never called the attn1 patch (another node replaced "
               "them), so nothing is merged")
@@ -86,48 +147,53 @@ class Attn1Patch(Attn1Owner):
         instance's bound methods) on every clone; a patch is one function, like a closure."""
         return self
 
-    def _retiled(self, block: Any, n: torch.Tensor, extra: dict) -> bool:
-        """An attn1 patch before ours split the tokens into tiles (ComfyUI's HyperTile: the
-        batch grows, each tile looks like a deeper level's grid): leave the block alone."""
-        batch = extra["original_shape"][0]
-        if n.shape[0] == batch:
-            return False
-        if not any(b == block for b, _ in self.skipped):
-            self.skipped.append((block, "attn1 input split into tiles by another patch (e.g. "
-                                        "HyperTile)"))
-        return True
-
     def attn1(self, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict | None = None,
               **dit: Any):
         """The UNet call form ``(n, k, v, extra) -> (n, k, v)``. The DiT call form (ComfyUI's
         Flux/Qwen-Image blocks: ``(q, k, v, pe=, attn_mask=, extra_options=)`` returning a
-        dict of what changed) gets an empty dict: DiTs are not merged."""
-        self.plan = None
-        self.calls += 1
+        dict of what changed) gets an empty dict: DiTs are not merged.
+
+        Everything per call is read from ``Live`` (the module's global where the host started
+        the call), never from ``self``: in a compiled graph under ComfyUI's guard filter
+        ``self`` is the patch the graph was traced with."""
+        patch = LIVE.patch or self
+        patch.plan = None
+        patch.touched = True
+        if not graphs.compiling():
+            patch.calls += 1
         if extra is None:
             return {}
         if extra.get("original_shape") is None or n.dim() != 3:
             return n, k, v
         block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
-        self._begin(block, n, extra)
+        live = patch._live(block, n, extra)
+        call, planner, method, config = live.call, patch.planner, patch.method, patch.config
         # Only a block that would be merged can be "skipped" because another patch owns it.
-        if self.call is None or not self.planner.merges(self.call, n.shape[1]) \
-                or self._replaced(block, extra) or self._retiled(block, n, extra):
+        if call is None or not planner.merges(call, n.shape[1]):
+            return n, k, v
+        if block in live.replaced or block[:2] in live.replaced:
+            patch._skip(block, "attn1 replaced by another patch (e.g. Self-Attention Guidance)")
+            return n, k, v
+        if n.shape[0] != extra["original_shape"][0]:  # an attn1 patch before ours split the
+            # tokens into tiles (ComfyUI's HyperTile: the batch grows, each tile looks like a
+            # deeper level's grid)
+            patch._skip(block, "attn1 input split into tiles by another patch (e.g. HyperTile)")
             return n, k, v
         self_attention = k is n and v is n
-        if "attn1" not in self.method.sub_layers(self.config) \
-                or (self.method.self_attention_only and not self_attention):
+        if "attn1" not in method.sub_layers(config) \
+                or (method.self_attention_only and not self_attention):
             return n, k, v
-        plan = self.planner.plan(self.call, n, decoder=block[0] == "output")
+        plan = planner.plan(call, n, decoder=block[0] == "output")
         if plan is None:
             return n, k, v
-        if self.method.unmerges:
-            self.plan = plan
-        return reduce_attn1(self.method, plan, n, k, v, self_attention)
+        if method.unmerges:
+            patch.plan = plan
+        return reduce_attn1(method, plan, n, k, v, self_attention)
 
     def attn1_output(self, n: torch.Tensor, extra: dict) -> torch.Tensor:
-        plan, self.plan = self.plan, None
-        return n if plan is None else self.method.restore(plan, n)
+        patch = LIVE.patch or self
+        plan, patch.plan = patch.plan, None
+        return n if plan is None else patch.method.restore(plan, n)
 
 
 def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,27 +14,39 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from .. import adapters, dits, policy
+from .. import adapters, dits, graphs, policy
 from ..config import ToMeConfig
 from ..layout import UnsupportedModelError, read
 from . import host, inputs, measure_node
 
 CATEGORY = "model_patches/unet"
-# ComfyUI's WrappersMP kinds (around a UNet call; around a whole sampling), read from the
-# loaded ComfyUI at use (``adapters.comfy_name``): a renamed kind cannot drop our wrappers
-DIFFUSION_MODEL, OUTER_SAMPLE = ("WrappersMP", "DIFFUSION_MODEL"), ("WrappersMP", "OUTER_SAMPLE")
+# ComfyUI's WrappersMP kinds (around a model call, outside a compiled UNet; around a whole
+# sampling), read from the loaded ComfyUI at use (``adapters.comfy_name``): a renamed kind
+# cannot drop our wrappers. DIFFUSION_MODEL: where older versions of the node put the guard.
+APPLY_MODEL, OUTER_SAMPLE = ("WrappersMP", "APPLY_MODEL"), ("WrappersMP", "OUTER_SAMPLE")
+DIFFUSION_MODEL = ("WrappersMP", "DIFFUSION_MODEL")
 GUARD_KEY = "tome"
+COMPILE_KEY = "torch.compile"  # the apply_model wrapper of ComfyUI's TorchCompileModel
+# TorchCompileModel before the node: ComfyUI's compile does not see patches added after it
+RECOMPILED = ("ToMe: the compiled model ran graphs traced before this ToMe node was added "
+              "(TorchCompileModel before ToMe); they are dropped and traced again with it")
+STALE = ("ToMe: the compiled model never called the attn1 patch, so nothing is merged: "
+         "another node replaced its blocks, or its graphs could not be traced again; put "
+         "TorchCompileModel after the ToMe node")
 PASSES = "the model passes through unchanged"
 IGNORED = ("merge_crossattn", "merge_mlp")  # the patcher reaches only self-attention
 
 
 class SamplingGuard:
-    """A ComfyUI ``diffusion_model`` wrapper on our clone (clones made after ours inherit it):
+    """A ComfyUI ``apply_model`` wrapper on our clone (clones made after ours inherit it):
     at every UNet call it sees the patches of the patcher that actually samples. It drops the
     patches of another token merging added after ours (ComfyUI's built-in ``TomePatchModel``),
     so tokens are never merged twice, and keeps ``view`` (what the attn1 patch reads
     as the sampling patcher) current, so blocks whose attn1 another node replaces (Self-Attention
-    Guidance, PAG) are left alone."""
+    Guidance, PAG) are left alone. It starts each UNet call on the host (``PatchHandle.start``:
+    the size, the window, a measurement) before the model runs: ``apply_model`` wrappers run
+    outside the module TorchCompileModel compiles (``diffusion_model``), so nothing here is
+    traced."""
 
     def __init__(self, say: Callable[[str], Any]):
         self.say, self.told = say, False
@@ -50,10 +62,7 @@ class SamplingGuard:
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
         args = list(args)
         # transformer_options: a keyword, or the last positional dict (after ``control``, a
-        # dict too): UNetModel (x, timesteps, context, y, control, to), Flux (x, timestep,
-        # context, y, guidance, ref_latents, control, to), Wan (x, timestep, context,
-        # clip_fea, time_dim_concat, to), Qwen-Image (x, timestep, context, attention_mask,
-        # ref_latents, additional_t_cond, to)
+        # dict too): apply_model (x, sigma, c_concat, c_crossattn, control, to)
         at = None
         for i, a in enumerate(args):
             if isinstance(a, dict):
@@ -67,11 +76,37 @@ class SamplingGuard:
                 args[at] = options
             else:
                 kwargs["transformer_options"] = options
-        out = executor(*args, **kwargs)
-        if self.patch is not None and not self.patch.calls and not self.silent_told:
-            self.silent_told = True
-            self.say(self.patch.silent)
+        out, reached = self._call(executor, args, kwargs, options)
+        if reached or self.silent_told:
+            return out
+        # a compiled graph traced before this node (ComfyUI's guard filter hides patches from
+        # dynamo): dropped and the call run again, traced with the patch
+        if _compiled(options) and graphs.forget_graphs(getattr(executor.class_obj,
+                                                               "diffusion_model", None)):
+            self.say(RECOMPILED)
+            out, reached = self._call(executor, args, kwargs, options)
+            if reached:
+                return out
+        self.silent_told = True
+        self.say(STALE if _compiled(options) else self.patch.silent)
         return out
+
+    def _call(self, executor: Any, args: list, kwargs: dict, options: Any) -> tuple[Any, bool]:
+        """The model call, started on the host for our UNet patch (``PatchHandle.start``),
+        and whether it reached the patch (a compiled graph's replay included)."""
+        patch = self.patch
+        if patch is None:
+            return executor(*args, **kwargs), True
+        started, since = None, patch.since()
+        if args and hasattr(args[0], "shape"):
+            sigmas = options.get("sigmas") if isinstance(options, dict) else None
+            started = patch.start(args[0], sigmas if sigmas is not None
+                                  else (args[1] if len(args) > 1 else None), options)
+        try:
+            out = executor(*args, **kwargs)
+        finally:
+            patch.finish(started)
+        return out, patch.reached(since)
 
     def tell_window(self, options: dict) -> None:
         """At a pass's first step, one line: which of its steps the start/end window merges
@@ -100,6 +135,12 @@ class SamplingGuard:
                      "added after this ToMe node; it is ignored so tokens are never merged "
                      "twice")
         return kept
+
+
+def _compiled(options: Any) -> bool:
+    """Whether TorchCompileModel's wrapper runs this model call."""
+    wrappers = (options.get("wrappers") or {}) if isinstance(options, dict) else {}
+    return COMPILE_KEY in (wrappers.get(adapters.comfy_name(*APPLY_MODEL)) or {})
 
 
 class AfterSampling:
@@ -145,7 +186,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
         base = model.clone()
         adapters.strip_merging(base)
         if hasattr(base, "remove_wrappers_with_key"):  # its guard and report: ours replace them
-            for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
+            for kind in (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE):
                 base.remove_wrappers_with_key(adapters.comfy_name(*kind), GUARD_KEY)
         what = "an earlier ToMe node's patch" if ours else ""
         if foreign:
@@ -177,7 +218,7 @@ def apply(model: Any, config: ToMeConfig, say: Callable[[str], Any] | None = Non
     if not report.planner.window.full:
         guard.window = report.planner.window
     if (patch is None or not patch.per_call) and hasattr(clone, "add_wrapper_with_key"):
-        clone.add_wrapper_with_key(adapters.comfy_name(*DIFFUSION_MODEL), GUARD_KEY, guard)
+        clone.add_wrapper_with_key(adapters.comfy_name(*APPLY_MODEL), GUARD_KEY, guard)
     if patch is not None and hasattr(clone, "add_wrapper_with_key"):
         clone.add_wrapper_with_key(adapters.comfy_name(*OUTER_SAMPLE), GUARD_KEY,
                                    AfterSampling(patch, guard, say))

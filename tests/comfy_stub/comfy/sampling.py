@@ -6,8 +6,13 @@
   schedule, ending with 0) and the patcher's wrappers;
 - ``ksample(patcher, x, context, steps)``: the model calls of a KSampler (Euler, normal
   schedule from the model's ``model_sampling``), each on the same latent.
-- The ``diffusion_model`` wrappers run around the UNet's forward, which sets
-  ``original_shape``; every transformer block then gets ``block`` ``(side, number)`` and
+- The ``apply_model`` wrappers run around the model base's call (``executor.class_obj`` the
+  model base, every argument positional: ``x, sigma, c_concat, c_crossattn, control,
+  transformer_options``), which reads ``diffusion_model`` from the base at that moment
+  (TorchCompileModel's wrapper swaps its compiled module in there). The UNet's own forward
+  (``comfy_blocks`` makes the root ComfyUI's ``UNetModel``) runs the ``diffusion_model``
+  wrappers around the part that sets ``original_shape`` from its input: inside a compiled
+  UNet, both are traced. Every transformer block then gets ``block`` ``(side, number)`` and
   ``block_index``.
 - ``comfy_blocks(unet)``: an ldm UNet's ``BasicTransformerBlock``s with ComfyUI's attn1
   contract: ``p(n, context_attn1, value_attn1, extra_options)`` for each attn1 patch (``k``
@@ -25,7 +30,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-DIFFUSION_MODEL = "diffusion_model"
+DIFFUSION_MODEL, APPLY_MODEL = "diffusion_model", "apply_model"
 _current = []
 
 
@@ -43,6 +48,7 @@ class _Executor:
 
 
 def unet_call(patcher, x, timesteps, context, sigma=14.6146, schedule=None):
+    from comfy.patcher_extension import WrapperExecutor
     options = dict(patcher.model_options.get("transformer_options", {}))
     if schedule is not None:
         options["sample_sigmas"] = schedule
@@ -53,18 +59,15 @@ def unet_call(patcher, x, timesteps, context, sigma=14.6146, schedule=None):
             wrappers.setdefault(kind, {}).setdefault(key, []).extend(fns)
     options["wrappers"] = wrappers
     options["sigmas"] = torch.tensor([float(sigma)])
-    unet = patcher.model.diffusion_model
-    around = [w for fns in wrappers.get(DIFFUSION_MODEL, {}).values() for w in fns]
+    base = patcher.model
 
-    def forward(x, timesteps=None, context=None, y=None, control=None, transformer_options={}):  # noqa: B006
-        transformer_options["original_shape"] = list(x.shape)
-        _current.append(transformer_options)
-        try:
-            return unet(x, timesteps=timesteps, context=context)
-        finally:
-            _current.pop()
+    def apply_model(x, t, c_concat, c_crossattn, control, transformer_options):
+        return base.diffusion_model(x, timesteps, context=c_crossattn, control=control,
+                                    transformer_options=transformer_options)
 
-    return _Executor(forward, around).execute(x, timesteps, context, None, None, options)
+    around = [w for fns in wrappers.get(APPLY_MODEL, {}).values() for w in fns]
+    return WrapperExecutor.new_class_executor(apply_model, base, around).execute(
+        x, options["sigmas"].expand(x.shape[0]), None, context, None, options)
 
 
 def ksample(patcher, x, context, steps=4):
@@ -143,7 +146,34 @@ def comfy_blocks(unet):
         if type(m) is BasicTransformerBlock:
             m.__class__ = ComfyBlock
             m.comfy_where = _where(name)
+    unet.__class__ = _comfy_unet(type(unet))
     return unet
+
+
+def _comfy_unet(ldm_class):
+    """ComfyUI's ``UNetModel`` over an ldm UNet's layers: ``forward(x, timesteps, context,
+    y, control, transformer_options)`` runs the ``diffusion_model`` wrappers (class_obj: the
+    UNet) around ``_forward``, which sets ``original_shape`` and hands the options to the
+    blocks."""
+    from comfy.patcher_extension import WrapperExecutor, get_all_wrappers
+
+    class UNetModel(ldm_class):
+        def forward(self, x, timesteps=None, context=None, y=None, control=None,
+                    transformer_options={}, **kwargs):  # noqa: B006 (as ComfyUI)
+            return WrapperExecutor.new_class_executor(
+                self._forward, self, get_all_wrappers(DIFFUSION_MODEL, transformer_options)
+            ).execute(x, timesteps, context, y, control, transformer_options, **kwargs)
+
+        def _forward(self, x, timesteps=None, context=None, y=None, control=None,
+                     transformer_options={}, **kwargs):  # noqa: B006
+            transformer_options["original_shape"] = list(x.shape)
+            _current.append(transformer_options)
+            try:
+                return ldm_class.forward(self, x, timesteps=timesteps, context=context)
+            finally:
+                _current.pop()
+
+    return UNetModel
 
 
 class DiTBlock(torch.nn.Module):
