@@ -49,6 +49,23 @@ class Predictor:
         w = float(t - lo)
         return float(((1 - w) * self.log_sigmas[lo] + w * self.log_sigmas[hi]).exp())
 
+    # what the KModel's apply_model asks (eps prediction): the scaled input, the training
+    # timestep nearest the sigma, the denoised latent
+    def calculate_input(self, sigma, x):
+        return x / (sigma.view(-1, *[1] * (x.ndim - 1)) ** 2 + 1) ** 0.5
+
+    def timestep(self, sigma):
+        return (self.log_sigmas.view(1, -1) - sigma.log().view(-1, 1)).abs().argmin(1)
+
+    def calculate_denoised(self, sigma, out, x):
+        return x - out * sigma.view(-1, *[1] * (x.ndim - 1))
+
+    def simple_sigmas(self, steps):
+        """Evenly spaced training timesteps from the last, then 0 (4 steps: ``SD15_SIGMAS``'s
+        first 14.61)."""
+        return torch.tensor([float(self.log_sigmas[round(999 * (1 - i / steps))].exp())
+                             for i in range(steps)] + [0.0])
+
 
 class Patcher:
     """Forge's UnetPatcher as the contract describes it: clones share the model; attn1
@@ -97,15 +114,26 @@ def self_attention_block(patcher, x, shape, sigma=SD15_SIGMAS[0], cross=None, bl
     return x + out
 
 
-def forge_unet():
+_FORGE_OPTIONS: list[dict] = []  # the transformer_options of the UNet call now running
+
+
+def forge_unet(config=TINY_SD15):
     """The tiny UNet with Forge's block contract: ``forward(x, context, transformer_options)``
     calling ``patches["attn1_patch"]`` with (n, k, v) right before attn1 and
     ``patches["attn1_output_patch"]`` right after (docs/webui.md; Forge Classic's
-    ``ldm_patched`` block behaves the same)."""
+    ``ldm_patched`` block behaves the same). Called whole as Forge's UNet is,
+    ``forward(x, timesteps, context, control, transformer_options)``, it sets
+    ``original_shape`` in the module and hands its blocks the options (``block`` and
+    ``block_index`` each), as Forge's ``UNetModel`` does."""
     from ldm.modules.attention import BasicTransformerBlock
 
     class ForgeBlock(BasicTransformerBlock):
-        def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (as Forge)
+        def forward(self, x, context=None, transformer_options=None):
+            if transformer_options is None:  # inside a whole UNet call (its options)
+                transformer_options = dict(_FORGE_OPTIONS[-1]) if _FORGE_OPTIONS else {}
+                if hasattr(self, "forge_where"):
+                    transformer_options["block"], transformer_options["block_index"] = \
+                        self.forge_where
             patches = transformer_options.get("patches", {})
             extra = {k: v for k, v in transformer_options.items()
                      if k not in ("patches", "patches_replace")}
@@ -125,10 +153,27 @@ def forge_unet():
             x = self.attn2(self.norm2(x), context=context) + x
             return self.ff(self.norm3(x)) + x
 
-    unet = ldm_unet(TINY_SD15)
-    for m in unet.modules():
+    unet = ldm_unet(config)
+    for name, m in unet.named_modules():
         if type(m) is BasicTransformerBlock:
             m.__class__ = ForgeBlock
+            side, number = name.split(".")[:2] if not name.startswith("middle") else \
+                ("middle", 0)
+            m.forge_where = ((side.replace("_blocks", ""), int(number)),
+                             int(name.rsplit(".", 1)[-1]))
+    ldm_class = type(unet)
+
+    class UNetModel(ldm_class):
+        def forward(self, x, timesteps=None, context=None, control=None,
+                    transformer_options={}, **kwargs):  # noqa: B006 (as Forge)
+            transformer_options["original_shape"] = list(x.shape)
+            _FORGE_OPTIONS.append(transformer_options)
+            try:
+                return ldm_class.forward(self, x, timesteps=timesteps, context=context)
+            finally:
+                _FORGE_OPTIONS.pop()
+
+    unet.__class__ = UNetModel
     return unet
 
 

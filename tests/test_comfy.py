@@ -37,6 +37,7 @@ from tome import (  # noqa: E402
 from tome import modelpatcher as mp  # noqa: E402
 from tome.comfy import host, inputs, measure_node, nodes  # noqa: E402
 from tome.config import FIELDS, ToMeConfig, choices, preset  # noqa: E402
+from tome.patcher import Attn1Patch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,6 +110,72 @@ def test_clones_share_one_patch():
     assert copied is patch
     guard = ours.wrappers["apply_model"][nodes.GUARD_KEY][0]  # 0.8.0's name
     assert copy.deepcopy(guard) is guard
+
+
+def _sample_with(wrapper):
+    """A KSampler run (4 steps) of the node's model with ``wrapper`` as a ``diffusion_model``
+    wrapper added after it, and the outputs."""
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults(policy="fixed"))
+    ours = ours.clone()
+    ours.add_wrapper_with_key("diffusion_model", "theirs", wrapper)
+    x, _, ctx = ldm_inputs(2, 32, 32)
+    return ksample(ours, x, ctx, steps=4)
+
+
+def test_a_unet_whose_blocks_never_call_the_patch_is_said_once(lines):
+    """A node after ours that drops the attn1 patches from each call: one line, at the first
+    call, never again."""
+    def drop(executor, *args, **kwargs):
+        args = list(args)
+        args[5] = {**args[5], "patches": {}}  # UNetModel's transformer_options
+        return executor(*args, **kwargs)
+
+    _sample_with(drop)
+    assert lines.count(Attn1Patch.SILENT) == 1
+
+
+def test_a_step_cache_skipping_later_calls_is_not_a_patch_never_called(lines):
+    """A step cache (a ``diffusion_model`` wrapper) that answers every call after the first
+    without running the blocks: the sampling's first call reached the patch, so no line says
+    it was never called."""
+    kept = []
+
+    def cache(executor, *args, **kwargs):
+        if not kept:
+            kept.append(executor(*args, **kwargs))
+        return kept[0]
+
+    _sample_with(cache)
+    assert Attn1Patch.SILENT not in lines
+
+
+def test_worker_threads_sampling_one_patch_at_once_each_get_their_own_call():
+    """ComfyUI's MultiGPU runs each device's share of a step in a worker thread, with one
+    patch (clones share it): two threads calling the UNet at once, at two sizes, each get
+    the output of a call made alone (the call, its replacements and the plan between attn1
+    and its output are per thread, ``patcher.LIVE``)."""
+    import threading
+
+    (ours,) = nodes.ToMePatch().patch(model(), **defaults(policy="fixed"))
+    inputs = {size: ldm_inputs(2, size, size) for size in (32, 24)}
+    alone = {size: unet_call(ours, x, t, ctx) for size, (x, t, ctx) in inputs.items()}
+    got, errors = {}, []
+
+    def worker(size):
+        try:
+            x, t, ctx = inputs[size]
+            got[size] = [unet_call(ours, x, t, ctx) for _ in range(3)]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(size,)) for size in inputs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for size, outs in got.items():
+        assert all(torch.equal(out, alone[size]) for out in outs)
 
 
 def test_a_model_it_cannot_read_passes_through_with_one_line(lines):

@@ -455,8 +455,9 @@ def test_comfy_torch_compile_model_before_the_node_follows_every_change_of_setti
     from dynamo, so a graph reads a run's settings and call through a module global whose
     guards hold (``patcher.LIVE``), never through the patch function (unguarded there: it
     would replay what it was traced with). The graph traced with no ToMe reads nothing of
-    ours, so it would replay unmerged once ToMe is back: the node sees its patch not reached,
-    drops that graph and runs the call again, traced with the patch (one line)."""
+    ours, so it would replay unmerged once ToMe is back: the node sees no block at a merging
+    level reach its patch, drops the compiled code and runs the call again, traced with the
+    patch (one line)."""
     from comfy_node import defaults
 
     from tome.comfy import nodes

@@ -354,6 +354,80 @@ def test_a_compiled_model_is_not_recompiled_from_step_to_step():
     assert torch.equal(first, second)
 
 
+SD15_SIZES = [(128, 128), (192, 192), (256, 192)]  # latents 16x16, 24x24, 32x24
+
+
+def _skip_transformer_options(guard_entries):  # Neo's guard_filter_fn preset (ComfyUI's)
+    return [("transformer_options" not in entry.name) for entry in guard_entries]
+
+
+@pytest.mark.parametrize("tome", [{"ratio": 0.5}, {"method": "downsample",
+                                                   "downsample_factor": 2}],
+                         ids=["merge", "downsample"])
+def test_neo_compile_merges_an_sd15_unet_at_every_size_in_the_graphs_of_the_unpatched(tome):
+    """Neo's compile extension (its ``guard_filter_fn`` preset: ``diffusion_model`` compiled
+    inside ``apply_model``, every guard on ``transformer_options`` dropped) on an SD1.5 UNet
+    patched through the attn1 patch: three sizes at CFG 7, each the eager latent and merged,
+    with the unpatched model's graphs (1, 1, 0). The patch's ``model_function_wrapper``
+    starts each call on the host (``patcher.FunctionStart``); before, the call began at the
+    first block inside the graph, from the latent size as ints: a graph per size (1, 1, 1)."""
+    from torch._dynamo.testing import CompileCounter
+
+    settings = {"enabled": True, "policy": "fixed", **tome}
+    model = neo.NeoModel("sd15")
+    webui = WebUI(model)
+
+    def run(tome, width, height):
+        return latent(webui, tome, steps=2, width=width, height=height)
+
+    eager = [run(settings, w, h) for w, h in SD15_SIZES]
+    plain = [run(None, w, h) for w, h in SD15_SIZES]
+    kmodel = model.forge_objects.unet.model
+    net, apply_model, counter = kmodel.diffusion_model, kmodel.apply_model, CompileCounter()
+
+    def apply_compiled(*args, **kwargs):  # as Neo's sd_forge_compile wraps it
+        kmodel.diffusion_model = torch.compile(
+            net, backend=counter, options={"guard_filter_fn": _skip_transformer_options})
+        try:
+            return apply_model(*args, **kwargs)
+        finally:
+            kmodel.diffusion_model = net
+
+    kmodel.apply_model = apply_compiled
+    torch._dynamo.reset()
+    graphs = []
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for (w, h), want, unmerged in zip(SD15_SIZES, eager, plain):
+                before = counter.frame_count
+                got = run(settings, w, h)
+                graphs.append(counter.frame_count - before)
+                torch.testing.assert_close(got, want)
+                assert not torch.equal(got, unmerged)
+    finally:
+        del kmodel.apply_model
+        torch._dynamo.reset()
+    assert graphs == [1, 1, 0], graphs
+
+
+def test_an_sd15_unet_keeps_the_function_wrapper_another_extension_set_before():
+    """The UnetPatcher has one ``model_function_wrapper`` slot: the patch's call start chains
+    the one another extension set before it (called inside ours, every call), and merges."""
+    model = neo.NeoModel("sd15")
+    webui = WebUI(model)
+    calls = []
+
+    def theirs(apply_model, params):
+        calls.append(params["input"].shape)
+        return apply_model(params["input"], params["timestep"], **params["c"])
+
+    plain = latent(webui, None, steps=2, width=128, height=128)
+    model.forge_objects.unet.set_model_unet_function_wrapper(theirs)
+    merged = latent(webui, {"enabled": True, "policy": "fixed", "ratio": 0.5}, steps=2,
+                    width=128, height=128)
+    assert len(calls) == 2 and not torch.equal(merged, plain)
+
+
 def test_residual_reuse_applies_per_identity_and_is_freed_after_the_generation(capsys,
                                                                               monkeypatch):
     """Forge Neo: the quality point (x8 everywhere, reuse every 5 steps; the fixed policy)

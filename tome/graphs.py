@@ -58,19 +58,25 @@ def grid_tensor(frames: int, h: int, w: int) -> torch.Tensor:
 
 
 def forget_graphs(module: Any) -> bool:
-    """Drop the graphs dynamo compiled for ``module`` (a ``torch.compile``d module: its
-    forward's code), so its next call is traced again; False where ``module`` is not one.
+    """Drop dynamo's compiled graphs so that ``module`` (a ``torch.compile``d module, or the
+    module one wraps) is traced again at its next call; False where nothing could be dropped.
 
     For a host whose compile hides changes of patches from dynamo's guards (ComfyUI's
     TorchCompileModel drops every guard on ``transformer_options``): a graph traced before a
-    patch was added would replay the model without it. Only that code's graphs are dropped;
-    dynamo's other caches (other models, its size history) stay."""
-    original = getattr(module, "_orig_mod", None)
+    patch was added would replay the model without it. Where attention breaks the graph
+    (ComfyUI's CPU attention), the module's blocks are frames of their own, which their code
+    cannot tell from other models' frames: every code cache dynamo holds is dropped
+    (``reset_code_caches``; other compiled models trace again at their next call, dynamo's
+    size history stays). Without it, the module's forward's own."""
     dynamo = sys.modules.get("torch._dynamo")
+    everything = getattr(dynamo, "reset_code_caches", None)
+    if module is not None and everything is not None:
+        everything()
+        return True
+    original = getattr(module, "_orig_mod", module)
     reset = getattr(dynamo, "reset_code", None)
-    forward = getattr(type(original), "forward", None) if original is not None else None
-    code = getattr(forward, "__code__", None)
-    if reset is None or code is None:
+    code = getattr(getattr(type(original), "forward", None), "__code__", None)
+    if module is None or reset is None or code is None:
         return False
     reset(code)
     return True

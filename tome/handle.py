@@ -118,6 +118,12 @@ class PatchHandle:
         return self._mark.counts()[1] > since[0][1] if self.per_call else \
             self._mark.reached_since(since)
 
+    def missed(self) -> bool:
+        """A UNet's patch: its call started last had levels to merge and no block at them
+        reached the patch since ``since`` (False for a DiT's)."""
+        missed = getattr(self._mark, "missed", None)
+        return bool(missed()) if not self.per_call and missed is not None else False
+
     def said_silent(self) -> bool:
         """Whether the host has a word for a never-reached patch (it said it at the call)."""
         return getattr(self._mark, "on_silent", None) is not None

@@ -24,6 +24,7 @@ Differences from the hook-based patch, both forced by what the patcher exposes:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,25 +38,28 @@ from .plan import Call, Planner, Window
 from .report import ATTN1_PATCH, PatchReport
 
 
-class Live:
-    """The UNet call now running, as the blocks read it: the patch, its ``plan.Call`` (None
-    outside the start/end window) and the attn1 replacements of the patcher that samples.
+class Live(threading.local):
+    """The UNet call now running in this thread, as the blocks read it: the patch, its
+    ``plan.Call`` (None outside the start/end window), the attn1 replacements of the patcher
+    that samples, and the plan of the block between attn1 and its output. Per thread: a
+    host's worker threads (ComfyUI's MultiGPU, one per device) run calls of one patch at
+    once.
 
-    A host that starts each model call on the host (ComfyUI: ``Attn1Patch.start`` from the
-    node's ``apply_model`` wrapper, outside a compiled UNet) fills the module's ``LIVE``; a
-    compiled graph reads it through that global, whose guards hold. Read through the patch
-    function instead, it would be a constant: ComfyUI's TorchCompileModel drops every guard
-    whose source names ``transformer_options``, where the patch functions sit, so a graph
-    would replay the window state, the call and even the settings it was traced with. A
-    host that does not (the Forge family) gets the patch's own, begun at a call's first
-    block, in eager calls."""
+    Each model call is started on the host (``Attn1Patch.start``: from ComfyUI's node's
+    ``apply_model`` wrapper, from the Forge family's ``FunctionStart``), outside the module a
+    host compiles, into the module's ``LIVE``; a compiled graph reads it through that
+    global, whose guards hold. Read through the patch function instead, it would be a
+    constant: ComfyUI's TorchCompileModel and Forge Neo's compile drop every guard whose
+    source names ``transformer_options``, where the patch functions sit, so a graph would
+    replay the window state, the call and even the settings it was traced with. Where no
+    wrapper started the call (another extension took Forge's single wrapper slot), the
+    patch's own is begun at the call's first block."""
 
-    __slots__ = ("patch", "call", "replaced")
-
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # run in each thread at its first use
         self.patch: Attn1Patch | None = None
         self.call: Call | None = None
         self.replaced: frozenset = frozenset()
+        self.plan: Any = None
 
     def swap(self, patch: Attn1Patch | None, call: Call | None, replaced: frozenset
              ) -> tuple:
@@ -64,15 +68,15 @@ class Live:
         return saved
 
 
-LIVE = Live()  # one UNet call at a time per process (a host's sampling worker)
+LIVE = Live()  # the UNet call each thread runs
 
 
 class Attn1Patch(Attn1Owner):
     """The two patch functions for one sampling pass, sharing the plan of the current block.
 
-    A call is started on the host before the model runs where the host allows it (``start``,
-    ``finish``: ComfyUI); else the contract's first block starts it (a call starts when the
-    first block seen in this pass comes round again). The step's sigma stands in for the
+    A call is started on the host before the model runs (``start``, ``finish``: ``Live``);
+    failing that, the contract's first block starts it (a call starts when the first block
+    seen in this pass comes round again). The step's sigma stands in for the
     timestep (it stays on the device: the partition is hashed from it there).
     """
 
@@ -86,32 +90,45 @@ class Attn1Patch(Attn1Owner):
         self.planner = Planner(config, max_downsample, measurer, levels, window=window)
         self.method = self.planner.method
         self.skipped: list[tuple[Any, str]] = []  # (block, reason), once per block, live
-        self.plan: Any = None  # the plan of the block between attn1 and its output
         self.first: Any = None
         self.own = Live()  # the call begun at its first block (hosts without ``start``)
         self.calls = 0  # attn1 calls counted on the host (eager calls)
-        # Set by every attn1 call, cleared by the host (``since``): a constant store, so a
-        # compiled graph's replay sets it too, where it runs no Python to count.
-        self.touched = False
+        # Set by every attn1 call (``touched``) and by a block at a level that merges
+        # (``met``), cleared by the host (``since``): constant stores, so a compiled graph's
+        # replay sets them too, where it runs no Python to count.
+        self.touched = self.met = False
+        self.expected = False  # the call started last has levels to merge (host side)
 
     def start(self, x: torch.Tensor, sigmas: Any, options: Mapping | None = None) -> tuple:
         """Host side, before a model call on the latent ``x`` ([B, C, H, W]) at ``sigmas``
         (the step's, on the device): begin the call (measuring a new size first, the window,
         the decisions' line) and make it the one the blocks read. Hand the result to
         ``finish`` after the call."""
-        call = self.planner.begin(tuple(x.shape[-2:]), x.device, sigmas, x.shape[0])
+        if LIVE.patch is self:  # started already (the Forge family's wrapper, then the node's)
+            return None
+        size = tuple(x.shape[-2:])
+        call = self.planner.begin(size, x.device, sigmas, x.shape[0])
+        self.expected = call is not None and \
+            any(d.merged for d in self.planner.decided(size, call.kind))
         return LIVE.swap(self, call, self._replacing(options))
 
-    def finish(self, saved: tuple) -> None:
-        LIVE.swap(*saved)
+    def finish(self, saved: tuple | None) -> None:
+        if saved is not None:
+            LIVE.swap(*saved)
 
     def since(self) -> int:
-        """Before a sampling: clear ``touched``; what was counted so far."""
-        self.touched = False
+        """Before a sampling or a call: clear the marks; what was counted so far."""
+        self.touched = self.met = False
         return self.calls
 
     def reached_since(self, since: int) -> bool:
         return self.touched or self.calls > since
+
+    def missed(self) -> bool:
+        """The call started last had levels to merge, and no block at them reached the patch
+        since ``since``: another node dropped or replaced the blocks' patches, or a compiled
+        graph traced without the patch replayed."""
+        return self.expected and not self.met
 
     def _replacing(self, options: Mapping | None) -> frozenset:
         """The blocks whose attn1 another patch replaces (Self-Attention Guidance records the
@@ -157,7 +174,6 @@ class Attn1Patch(Attn1Owner):
         the call), never from ``self``: in a compiled graph under ComfyUI's guard filter
         ``self`` is the patch the graph was traced with."""
         patch = LIVE.patch or self
-        patch.plan = None
         patch.touched = True
         if not graphs.compiling():
             patch.calls += 1
@@ -167,10 +183,12 @@ class Attn1Patch(Attn1Owner):
             return n, k, v
         block = (*tuple(extra.get("block") or ()), extra.get("block_index", 0))
         live = patch._live(block, n, extra)
+        live.plan = None
         call, planner, method, config = live.call, patch.planner, patch.method, patch.config
         # Only a block that would be merged can be "skipped" because another patch owns it.
         if call is None or not planner.merges(call, n.shape[1]):
             return n, k, v
+        patch.met = True
         if block in live.replaced or block[:2] in live.replaced:
             patch._skip(block, "attn1 replaced by another patch (e.g. Self-Attention Guidance)")
             return n, k, v
@@ -187,13 +205,41 @@ class Attn1Patch(Attn1Owner):
         if plan is None:
             return n, k, v
         if method.unmerges:
-            patch.plan = plan
+            live.plan = plan
         return reduce_attn1(method, plan, n, k, v, self_attention)
 
     def attn1_output(self, n: torch.Tensor, extra: dict) -> torch.Tensor:
-        patch = LIVE.patch or self
-        plan, patch.plan = patch.plan, None
+        patch, live = (LIVE.patch, LIVE) if LIVE.patch is not None else (self, self.own)
+        plan, live.plan = live.plan, None
         return n if plan is None else patch.method.restore(plan, n)
+
+
+class FunctionStart:
+    """The Forge family's ``model_function_wrapper`` on our clone: starts each model call on
+    the host (``Attn1Patch.start``) around the model's ``apply_model``, which Forge Neo's
+    compile script swaps a compiled ``diffusion_model`` into, so the call's state reaches a
+    compiled graph through ``LIVE`` there too. The wrapper the patcher had (a single slot) is
+    called inside ours; an extension that later replaces ours leaves the patch starting its
+    calls at their first block (eager)."""
+
+    def __init__(self, patch: Attn1Patch, previous: Callable | None):
+        self.patch, self.previous = patch, previous
+
+    def __deepcopy__(self, memo: dict) -> FunctionStart:
+        return self
+
+    def __call__(self, apply_model: Callable, params: dict) -> Any:
+        c = params.get("c") or {}
+        options = c.get("transformer_options")
+        sigmas = options.get("sigmas") if isinstance(options, dict) else None
+        saved = self.patch.start(params["input"], params["timestep"] if sigmas is None
+                                 else sigmas, options)
+        try:
+            if self.previous is not None:
+                return self.previous(apply_model, params)
+            return apply_model(params["input"], params["timestep"], **c)
+        finally:
+            self.patch.finish(saved)
 
 
 def reduce_attn1(method: Any, plan: Any, n: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -265,5 +311,11 @@ def patch_unet(unet_patcher: Any, layout: _layout.Layout, config: ToMeConfig,
     patch.report = report
     unet.set_model_attn1_patch(patch.attn1)
     unet.set_model_attn1_output_patch(patch.attn1_output)
+    if not hasattr(unet, "add_wrapper_with_key") and \
+            hasattr(unet, "set_model_unet_function_wrapper"):  # the Forge family (ComfyUI:
+        # the node's apply_model wrapper starts the call)
+        options = getattr(unet, "model_options", None) or {}
+        unet.set_model_unet_function_wrapper(
+            FunctionStart(patch, options.get("model_function_wrapper")))
     setattr(unet, MARK, patch)
     return unet, report

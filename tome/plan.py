@@ -299,9 +299,14 @@ class Planner:
                 or (self.measurer is not None and size not in self.measured):
             return
         self._told.add(told)
+        self.on_decided(size, self.decided(size, kind))
+
+    def decided(self, size: tuple[int, ...], kind: str) -> list[policy.Decision]:
+        """The decisions at ``size`` on ``kind``, one per level (host side)."""
+        size = policy.latent_grid(size)
         measured = self.measured.get(size) or {}
-        self.on_decided(size, [self.decision(lv, policy.level_tokens(size, lv), kind,
-                                             measured.get(lv)) for lv in self.levels])
+        return [self.decision(lv, policy.level_tokens(size, lv), kind, measured.get(lv))
+                for lv in self.levels]
 
     def decision(self, level: int, tokens: int, kind: str,
                  measured: policy.LevelSpeed | None = None) -> policy.Decision:

@@ -44,6 +44,10 @@ def _diffusion_model(kind: str):
         return lumina.NextDiT(), PredictionDiscreteFlow(shift=3.0)
     if kind == "nunchaku":
         return svdq.SVDQFluxTransformer2DModel(), PredictionFlux(1.15)
+    if kind == "sd15":  # a shallow SD1.5 UNet with Forge's block contract (tests/stubs.py)
+        from models import SHALLOW_SD15
+        from stubs import Predictor, forge_unet
+        return forge_unet(SHALLOW_SD15), Predictor()
     raise ValueError(kind)
 
 
@@ -56,7 +60,7 @@ class ForgeObjects:
 
 
 class NeoModel:
-    """A loaded Neo DiT checkpoint (tiny, random weights fixed by ``seed``)."""
+    """A loaded Neo checkpoint (tiny, random weights fixed by ``seed``): a DiT, or ``sd15``."""
 
     def __init__(self, kind: str = "flux", seed: int = 0):
         with torch.random.fork_rng():
@@ -67,14 +71,14 @@ class NeoModel:
         self.forge_objects = ForgeObjects(unet)
         self.forge_objects_original = self.forge_objects.shallow_copy()
         self.forge_objects_after_applying_lora = self.forge_objects.shallow_copy()
-        self.is_sd1 = self.is_sdxl = False
+        self.is_sd1, self.is_sdxl = kind == "sd15", False
         self.is_wan = kind in ("wan", "qwen")  # Neo's flag for the 5-D (video VAE) latent
         self.context_dim = 32
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         h, w = height // 8, width // 8
         frames = {"wan": (FRAMES,), "qwen": (1,)}.get(self.kind, ())
-        return (16, *frames, h, w)
+        return (4 if self.kind == "sd15" else 16, *frames, h, w)
 
     def conds(self, prompt: str, batch: int, negative: bool = False) -> dict:
         seed = int(hashlib.sha256((prompt * (not negative)).encode()).hexdigest()[:8], 16)

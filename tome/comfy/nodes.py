@@ -53,6 +53,7 @@ class SamplingGuard:
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
         self.patch: Any = None  # ours on this clone: told the latent size, counts its calls
         self.silent_told = False
+        self.check = True  # whether the next call is checked: a sampling's first (AfterSampling)
         self.window: Any = None  # the patch's ``plan.Window`` when start/end cut the pass
         self._first_sigma: float | None = None  # the sigma of the pass's first step, told
 
@@ -76,28 +77,34 @@ class SamplingGuard:
                 args[at] = options
             else:
                 kwargs["transformer_options"] = options
-        out, reached = self._call(executor, args, kwargs, options)
-        if reached or self.silent_told:
+        # a sampling's first call: did it reach the patch? (later calls may skip it: a
+        # step cache returns an earlier step's output without running the blocks)
+        check, self.check = self.check, False
+        out = self._call(executor, args, kwargs, options, check)
+        if self.patch is None or not check or self.silent_told or not self.patch.missed():
             return out
         # a compiled graph traced before this node (ComfyUI's guard filter hides patches from
         # dynamo): dropped and the call run again, traced with the patch
         if _compiled(options) and graphs.forget_graphs(getattr(executor.class_obj,
                                                                "diffusion_model", None)):
             self.say(RECOMPILED)
-            out, reached = self._call(executor, args, kwargs, options)
-            if reached:
+            out = self._call(executor, args, kwargs, options, True)
+            if not self.patch.missed():
                 return out
         self.silent_told = True
         self.say(STALE if _compiled(options) else self.patch.silent)
         return out
 
-    def _call(self, executor: Any, args: list, kwargs: dict, options: Any) -> tuple[Any, bool]:
-        """The model call, started on the host for our UNet patch (``PatchHandle.start``),
-        and whether it reached the patch (a compiled graph's replay included)."""
+    def _call(self, executor: Any, args: list, kwargs: dict, options: Any, check: bool
+              ) -> Any:
+        """The model call, started on the host for our UNet patch (``PatchHandle.start``);
+        ``check``: its marks cleared first, to be read after (``PatchHandle.missed``)."""
         patch = self.patch
         if patch is None:
-            return executor(*args, **kwargs), True
-        started, since = None, patch.since()
+            return executor(*args, **kwargs)
+        started = None
+        if check:
+            patch.since()
         if args and hasattr(args[0], "shape"):
             sigmas = options.get("sigmas") if isinstance(options, dict) else None
             started = patch.start(args[0], sigmas if sigmas is not None
@@ -106,7 +113,7 @@ class SamplingGuard:
             out = executor(*args, **kwargs)
         finally:
             patch.finish(started)
-        return out, patch.reached(since)
+        return out
 
     def tell_window(self, options: dict) -> None:
         """At a pass's first step, one line: which of its steps the start/end window merges
@@ -160,6 +167,7 @@ class AfterSampling:
 
     def __call__(self, executor: Any, *args: Any, **kwargs: Any) -> Any:
         since = self.patch.since()
+        self.guard.check = True
         out = executor(*args, **kwargs)
         line = self.patch.after(since, told_silent=self.guard.silent_told)
         if line and not self.patch.per_call:

@@ -35,3 +35,7 @@ class UnetPatcher:
     def set_model_attn1_patch(self, fn):  # Neo keeps the UNet's attn1 patches (unused by DiTs)
         to = self.model_options["transformer_options"]
         to.setdefault("patches", {}).setdefault("attn1_patch", []).append(fn)
+
+    def set_model_attn1_output_patch(self, fn):
+        to = self.model_options["transformer_options"]
+        to.setdefault("patches", {}).setdefault("attn1_output_patch", []).append(fn)
