@@ -320,6 +320,22 @@ def test_proportional_attention_goes_in_as_the_kernels_mask(capsys):
     assert "not applied on this host" not in capsys.readouterr().out
 
 
+def _compile_like_neo(kmodel, compile):
+    """``kmodel.apply_model`` as Neo's sd_forge_compile wraps it: ``compile(diffusion_model)``
+    in place of ``diffusion_model`` for each call, put back after it (undo: ``del
+    kmodel.apply_model``)."""
+    net, apply_model = kmodel.diffusion_model, kmodel.apply_model
+
+    def apply_compiled(*args, **kwargs):
+        kmodel.diffusion_model = compile(net)
+        try:
+            return apply_model(*args, **kwargs)
+        finally:
+            kmodel.diffusion_model = net
+
+    kmodel.apply_model = apply_compiled
+
+
 def test_a_compiled_model_is_not_recompiled_from_step_to_step():
     """Neo's compile extension compiles ``diffusion_model`` inside ``apply_model``: the swapped
     global is one stable object with plain-int state, so the graphs compiled at the first
@@ -329,18 +345,9 @@ def test_a_compiled_model_is_not_recompiled_from_step_to_step():
     model = neo.NeoModel("flux")
     webui = WebUI(model)
     eager = latent(webui, dit(), cfg_scale=1)
-    kmodel = model.forge_objects.unet.model
-    net, apply_model, counter = kmodel.diffusion_model, kmodel.apply_model, CompileCounter()
-    compiled = torch.compile(net, backend=counter)
-
-    def apply_compiled(*args, **kwargs):  # as Neo's sd_forge_compile wraps it
-        kmodel.diffusion_model = compiled
-        try:
-            return apply_model(*args, **kwargs)
-        finally:
-            kmodel.diffusion_model = net
-
-    kmodel.apply_model = apply_compiled
+    kmodel, counter = model.forge_objects.unet.model, CompileCounter()
+    compiled = torch.compile(kmodel.diffusion_model, backend=counter)
+    _compile_like_neo(kmodel, lambda net: compiled)
     torch._dynamo.reset()
     try:
         first = latent(webui, dit(), cfg_scale=1)
@@ -348,7 +355,7 @@ def test_a_compiled_model_is_not_recompiled_from_step_to_step():
         second = latent(webui, dit(), cfg_scale=1)
         assert counter.frame_count == frames
     finally:
-        kmodel.apply_model = apply_model
+        del kmodel.apply_model
         torch._dynamo.reset()
     torch.testing.assert_close(first, eager)
     assert torch.equal(first, second)
@@ -382,18 +389,9 @@ def test_neo_compile_merges_an_sd15_unet_at_every_size_in_the_graphs_of_the_unpa
 
     eager = [run(settings, w, h) for w, h in SD15_SIZES]
     plain = [run(None, w, h) for w, h in SD15_SIZES]
-    kmodel = model.forge_objects.unet.model
-    net, apply_model, counter = kmodel.diffusion_model, kmodel.apply_model, CompileCounter()
-
-    def apply_compiled(*args, **kwargs):  # as Neo's sd_forge_compile wraps it
-        kmodel.diffusion_model = torch.compile(
-            net, backend=counter, options={"guard_filter_fn": _skip_transformer_options})
-        try:
-            return apply_model(*args, **kwargs)
-        finally:
-            kmodel.diffusion_model = net
-
-    kmodel.apply_model = apply_compiled
+    kmodel, counter = model.forge_objects.unet.model, CompileCounter()
+    _compile_like_neo(kmodel, lambda net: torch.compile(
+        net, backend=counter, options={"guard_filter_fn": _skip_transformer_options}))
     torch._dynamo.reset()
     graphs = []
     try:
