@@ -51,7 +51,7 @@ class SamplingGuard:
     def __init__(self, say: Callable[[str], Any]):
         self.say, self.told = say, False
         self.view = SimpleNamespace(model_options={"transformer_options": {}})
-        self.patch: Any = None  # ours on this clone: told the latent size, counts its calls
+        self.patch: Any = None  # our UNet patch's handle: its calls started here, checked
         self.silent_told = False
         self.check = True  # whether the next call is checked: a sampling's first (AfterSampling)
         self.window: Any = None  # the patch's ``plan.Window`` when start/end cut the pass
