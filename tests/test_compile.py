@@ -418,19 +418,17 @@ def _compiled(patcher, backend):
     return TorchCompileModel().execute(patcher, backend=backend)[0]
 
 
-@pytest.mark.parametrize("kw", [dict(ratio=0.5), dict(method="downsample", downsample_factor=2)],
-                         ids=["merge", "downsample"])
-def test_comfy_torch_compile_model_merges_a_unet_at_every_size_in_the_graphs_of_the_unpatched(
-        kw):
+def test_comfy_torch_compile_model_merges_a_unet_at_every_size_in_the_graphs_of_the_unpatched():
     """TorchCompileModel after the node on an SD1.5 UNet (the attn1 patch; ComfyUI's guard
     filter): three sizes, each sampling the eager latent, with the unpatched model's graphs
-    (1, 1, 0). Before: 2, 2, 2, as the patch began its call in the graph from Python ints
-    (the latent size) and counted its calls there."""
+    (1, 1, 0). Before: 2, 1, 1, as the patch began its call in the graph from Python ints
+    (the latent size) and the node's guard was traced with it. (ToDo x2 gave 1, 1, 0 too in a
+    one-off probe; compiled ToDo across sizes is tested on the hook adapter above.)"""
     from comfy_node import defaults
 
     from tome.comfy import nodes
     base, sample = _comfy_unet()
-    ours = nodes.ToMePatch().patch(base, **defaults(policy="fixed", **kw))[0]
+    ours = nodes.ToMePatch().patch(base, **defaults(policy="fixed", ratio=0.5))[0]
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
     compiled = _compiled(ours, counter)

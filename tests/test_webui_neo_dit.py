@@ -368,19 +368,17 @@ def _skip_transformer_options(guard_entries):  # Neo's guard_filter_fn preset (C
     return [("transformer_options" not in entry.name) for entry in guard_entries]
 
 
-@pytest.mark.parametrize("tome", [{"ratio": 0.5}, {"method": "downsample",
-                                                   "downsample_factor": 2}],
-                         ids=["merge", "downsample"])
-def test_neo_compile_merges_an_sd15_unet_at_every_size_in_the_graphs_of_the_unpatched(tome):
+def test_neo_compile_merges_an_sd15_unet_at_every_size_in_the_graphs_of_the_unpatched():
     """Neo's compile extension (its ``guard_filter_fn`` preset: ``diffusion_model`` compiled
     inside ``apply_model``, every guard on ``transformer_options`` dropped) on an SD1.5 UNet
     patched through the attn1 patch: three sizes at CFG 7, each the eager latent and merged,
     with the unpatched model's graphs (1, 1, 0). The patch's ``model_function_wrapper``
     starts each call on the host (``patcher.FunctionStart``); before, the call began at the
-    first block inside the graph, from the latent size as ints: a graph per size (1, 1, 1)."""
+    first block inside the graph, from the latent size as ints: a graph per size (1, 1, 1).
+    (ToDo on this path: the ComfyUI test in test_compile, the same patch.)"""
     from torch._dynamo.testing import CompileCounter
 
-    settings = {"enabled": True, "policy": "fixed", **tome}
+    settings = {"enabled": True, "policy": "fixed", "ratio": 0.5}
     model = neo.NeoModel("sd15")
     webui = WebUI(model)
 
